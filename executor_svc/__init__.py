@@ -1,0 +1,1 @@
+"""The executor: model, KV tensors, attention backends and sampler."""

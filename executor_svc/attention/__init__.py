@@ -1,0 +1,1 @@
+"""Attention backends: torch (CPU and reference) and CuPy kernels (CUDA)."""

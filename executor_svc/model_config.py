@@ -1,0 +1,126 @@
+"""What the model code needs to know about a checkpoint, read from its transformers config."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# model_type -> (q/k/v projections carry a bias, o projection carries a bias); None: read the config.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
+    "llama": None,  # attention_bias covers q, k, v and o
+    "mistral": (False, False),
+    "qwen2": (True, False),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype {dtype} is not supported; choose one of {sorted(DTYPES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    hf_config: object  # the transformers config, for the RoPE tables
+
+    @classmethod
+    def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelConfig":
+        model_type = hf_config.model_type
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        biases = SUPPORTED_ARCHITECTURES[model_type]
+        if biases is None:
+            attention_bias = bool(getattr(hf_config, "attention_bias", False))
+            biases = (attention_bias, attention_bias)
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        context_len = hf_config.max_position_embeddings
+        sliding_window = _active_sliding_window(hf_config)
+        if sliding_window is not None and sliding_window < context_len:
+            # Without sliding-window attention, outputs match the reference only within the window.
+            logger.warning(
+                "%s uses a sliding window of %d tokens, which this engine does not implement; "
+                "capping the context length at the window", model_type, sliding_window,
+            )
+            context_len = sliding_window
+        if max_model_len is None:
+            max_model_len = context_len
+        elif not 0 < max_model_len <= context_len:
+            raise ValueError(f"max_model_len must be in [1, {context_len}], got {max_model_len}")
+        eos = hf_config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            qkv_bias=biases[0],
+            o_bias=biases[1],
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            max_model_len=max_model_len,
+            eos_token_ids=eos_ids,
+            hf_config=hf_config,
+        )
+
+    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies and the cos/sin scale, computed the way transformers computes them."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope = getattr(self.hf_config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            theta = rope.get("rope_theta", 10000.0)
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            return 1.0 / (theta ** exponents), 1.0
+        if rope_type == "dynamic":
+            # Dynamic NTK rescales with the running sequence length, which a shared flat batch lacks.
+            raise ValueError("rope_type 'dynamic' is not supported; use 'linear', 'yarn' or 'llama3'")
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu")
+        return inv_freq.float(), float(scale)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def _active_sliding_window(hf_config) -> int | None:
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return int(window)

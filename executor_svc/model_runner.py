@@ -1,0 +1,218 @@
+"""Runs one engine step: flat batch in, one sampled token per finishing chunk out.
+
+The runner keeps per-request state between steps (block table, sampling parameters), so a steady-state
+decode step carries a few integers per request. It owns the model, the KV tensors and the sampler.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from executor_svc.attention.torch_backend import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSegment,
+    TorchPagedAttention,
+)
+from executor_svc.kv_cache import allocate_kv_caches, available_memory, num_blocks_for_budget
+from executor_svc.model_config import ModelConfig, parse_dtype
+from executor_svc.model_loader import generation_eos_token_ids, iterate_weights, resolve_model_dir
+from executor_svc.models.llama import LlamaForCausalLM
+from executor_svc.sampler import Sampler, SamplingBatch
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import ExecuteRequest, ExecuteResult, ExecuteStep, SampledToken
+
+logger = logging.getLogger(__name__)
+
+# A decode group grows while its longest context stays within this factor of its shortest: padding
+# every row to the group's longest context wastes at most this much attention work.
+DECODE_GROUP_PAD_FACTOR = 1.25
+
+
+@dataclass
+class RequestState:
+    params: SamplingParams
+    block_ids: list[int]
+    prompt_len: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        kv_cache_fraction: float = 0.3,
+        max_model_len: int | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 < kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
+        self.device = torch.device(device)
+        self.dtype = parse_dtype(dtype)
+        self.block_size = block_size
+        self.model_dir = resolve_model_dir(model)
+        self.config = ModelConfig.from_hf_config(AutoConfig.from_pretrained(self.model_dir), max_model_len)
+        self.eos_token_ids = tuple(
+            sorted(set(self.config.eos_token_ids) | set(generation_eos_token_ids(self.model_dir)))
+        )
+
+        backend = TorchPagedAttention(
+            self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.config.head_dim**-0.5
+        )
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(self.config, backend)
+        self.model.load_weights(iterate_weights(self.model_dir))
+        self.model.to(self.dtype).eval()
+        self.model.rotary.float()  # RoPE tables stay float32, as transformers keeps them
+
+        budget = kv_cache_memory if kv_cache_memory is not None else int(
+            available_memory(self.device) * kv_cache_fraction
+        )
+        self.num_blocks = num_blocks_for_budget(self.config, self.dtype, block_size, budget)
+        self.kv_caches = allocate_kv_caches(self.config, self.num_blocks, block_size, self.dtype, self.device)
+        logger.info(
+            "model %s (%s, %s) on %s; KV cache %d blocks x %d tokens (%.1f MiB)",
+            self.model_dir, self.config.model_type, dtype, self.device, self.num_blocks, block_size,
+            budget / 2**20,
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+
+    @torch.inference_mode()
+    def execute(self, step: ExecuteStep) -> ExecuteResult:
+        sampling, logits, result = self._run_model(step)
+        if not sampling:
+            return result
+        params = [self.requests[r.request_id].params for r in sampling]
+        sampled_positions = [r.start_position + len(r.token_ids) for r in sampling]
+        self._ban_stop_tokens_before_min_tokens(logits, sampling, sampled_positions)
+        out = self.sampler(logits, SamplingBatch.build(params, self.device), sampled_positions)
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for row, (req, p) in enumerate(zip(sampling, params)):
+            token = SampledToken(token_ids[row])
+            if p.logprobs is not None and logprobs is not None:
+                token.logprob = logprobs[row]
+                token.top_token_ids = top_ids[row][: p.logprobs]
+                token.top_logprobs = top_logprobs[row][: p.logprobs]
+            result.sampled[req.request_id] = token
+        return result
+
+    def _ban_stop_tokens_before_min_tokens(self, logits, sampling, sampled_positions) -> None:
+        for row, (req, position) in enumerate(zip(sampling, sampled_positions)):
+            state = self.requests[req.request_id]
+            if position - state.prompt_len >= state.params.min_tokens:
+                continue
+            banned = list(state.params.stop_token_ids)
+            if not state.params.ignore_eos:
+                banned.extend(self.eos_token_ids)
+            logits[row, banned] = float("-inf")
+
+    @torch.inference_mode()
+    def step_logits(self, step: ExecuteStep) -> dict[str, torch.Tensor]:
+        """Runs the step like execute() but returns the float32 logits of each sampling request."""
+        sampling, logits, _ = self._run_model(step)
+        return {req.request_id: logits[row] for row, req in enumerate(sampling)}
+
+    def _run_model(self, step: ExecuteStep) -> tuple[list[ExecuteRequest], torch.Tensor | None, ExecuteResult]:
+        for request_id in step.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for req in step.requests:
+            if req.sampling_params is not None:
+                self.requests[req.request_id] = RequestState(
+                    req.sampling_params, list(req.new_block_ids), req.prompt_len
+                )
+            elif req.request_id in self.requests:
+                self.requests[req.request_id].block_ids.extend(req.new_block_ids)
+            else:
+                raise KeyError(f"request {req.request_id!r} is unknown to the executor and carries no sampling_params")
+        if not step.requests:
+            return [], None, ExecuteResult()
+
+        # Prefill chunks first, then single-token rows sorted by context length for grouping.
+        prefills = [r for r in step.requests if len(r.token_ids) > 1]
+        singles = sorted((r for r in step.requests if len(r.token_ids) == 1), key=lambda r: r.start_position)
+        ordered = prefills + singles
+        input_ids, positions, slots = self._flatten(ordered)
+        meta = self._attention_metadata(prefills, singles, slots)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        result = ExecuteResult(
+            num_prefill_tokens=meta.num_prefill_tokens,
+            num_decode_tokens=input_ids.shape[0] - meta.num_prefill_tokens,
+        )
+        row_ends = np.cumsum([len(r.token_ids) for r in ordered]) - 1
+        sample_rows = [int(row_ends[i]) for i, r in enumerate(ordered) if r.sample]
+        if not sample_rows:
+            return [], None, result
+        logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=self.device)])
+        return [r for r in ordered if r.sample], logits, result
+
+    def _flatten(self, ordered: list[ExecuteRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        positions = np.concatenate(
+            [np.arange(r.start_position, r.start_position + len(r.token_ids)) for r in ordered]
+        )
+        block_of_token = np.concatenate([
+            np.asarray(self.requests[r.request_id].block_ids, dtype=np.int64)[
+                np.arange(r.start_position, r.start_position + len(r.token_ids)) // bs
+            ]
+            for r in ordered
+        ])
+        slots = block_of_token * bs + positions % bs
+        input_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64)
+        as_tensor = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        return as_tensor(input_ids), as_tensor(positions), as_tensor(slots)
+
+    def _attention_metadata(self, prefills, singles, slots: torch.Tensor) -> AttentionMetadata:
+        segments, start = [], 0
+        for req in prefills:
+            end = start + len(req.token_ids)
+            context_len = req.start_position + len(req.token_ids)
+            block_ids = None
+            if req.start_position > 0:
+                num_blocks = -(-context_len // self.block_size)
+                block_ids = torch.as_tensor(
+                    self.requests[req.request_id].block_ids[:num_blocks], device=self.device
+                )
+            segments.append(PrefillSegment(start, end, context_len, block_ids))
+            start = end
+        num_prefill_tokens = start
+
+        groups, row = [], num_prefill_tokens
+        i = 0
+        while i < len(singles):
+            j = i + 1
+            shortest = singles[i].start_position + 1
+            while j < len(singles) and singles[j].start_position + 1 <= shortest * DECODE_GROUP_PAD_FACTOR + self.block_size:
+                j += 1
+            groups.append(self._decode_group(singles[i:j], row))
+            row += j - i
+            i = j
+        return AttentionMetadata(slots, segments, num_prefill_tokens, groups)
+
+    def _decode_group(self, reqs: list[ExecuteRequest], row_start: int) -> DecodeGroup:
+        context_lens = np.asarray([r.start_position + 1 for r in reqs], dtype=np.int64)
+        max_blocks = int(-(-context_lens.max() // self.block_size))
+        tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            held = self.requests[r.request_id].block_ids[:max_blocks]
+            tables[i, : len(held)] = held
+        key_positions = np.arange(max_blocks * self.block_size)
+        mask = key_positions[None, :] < context_lens[:, None]
+        return DecodeGroup(
+            row_start,
+            torch.from_numpy(tables).to(self.device),
+            torch.from_numpy(mask).to(self.device)[:, None, None, :],
+        )

@@ -1,0 +1,176 @@
+"""Token sampling for a whole batch at once: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Every step runs a fixed number of tensor ops whatever the batch size; the only per-request Python loop
+is over seeded rows, which each need a generator of their own so that their draws do not depend on the
+rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import SampledToken
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for (request seed, position): nearby inputs give unrelated streams."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors; built once when the batch's composition changes.
+
+    ``top_k`` holds 0 for rows without top-k (the vocabulary size is only known at sampling time);
+    greedy rows keep temperature 1 so that the shared random path never divides by zero, and are
+    flagged in ``greedy`` instead.
+    """
+
+    temperature: torch.Tensor  # [B] float32
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+    min_p: torch.Tensor  # [B] float32, 0 = off
+    all_greedy: bool
+    any_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    max_top_k: int  # largest k asked, so top-k alone needs one torch.topk of that width
+    seeded: list[tuple[int, int]]  # (row, seed) for random rows with a seed
+    num_logprobs: list[int | None]  # per row, to cut the batch-wide top-n down to what each asked
+    max_num_logprobs: int | None  # None when no row wants logprobs
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
+        greedy = [p.greedy for p in params]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32, device=device
+            ),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            # Features of greedy rows are ignored, so they do not switch the filters on.
+            any_top_k=any(k > 0 and not g for k, g in zip(top_k, greedy)),
+            any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
+            any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
+            max_top_k=max(top_k, default=0),
+            seeded=[(i, p.seed) for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g],
+            num_logprobs=[p.logprobs for p in params],
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+    def __len__(self) -> int:
+        return len(self.num_logprobs)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32: logprob of the chosen token (None if no row asked)
+    top_token_ids: torch.Tensor | None  # [B, n] int64, n = max logprobs asked in the batch
+    top_logprobs: torch.Tensor | None  # [B, n] float32
+
+    def to_sampled_tokens(self, batch: SamplingBatch) -> list[SampledToken]:
+        """One SampledToken per row, logprobs only for rows that asked, cut to the n each asked."""
+        token_ids = self.token_ids.tolist()
+        if self.logprobs is None or self.top_token_ids is None or self.top_logprobs is None:
+            return [SampledToken(token_id=t) for t in token_ids]
+        logprobs = self.logprobs.tolist()
+        top_ids = self.top_token_ids.tolist()
+        top_lps = self.top_logprobs.tolist()
+        return [
+            SampledToken(token_id=t)
+            if n is None
+            else SampledToken(token_id=t, logprob=lp, top_token_ids=ids[:n], top_logprobs=lps[:n])
+            for t, n, lp, ids, lps in zip(token_ids, batch.num_logprobs, logprobs, top_ids, top_lps)
+        ]
+
+
+def _top_k_threshold(desc_values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """[B, 1] smallest logit each row keeps under top-k, given its values sorted descending; -inf if off."""
+    kth = desc_values.gather(1, (top_k.clamp(1, desc_values.shape[1]) - 1).unsqueeze(1))
+    return kth.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))
+
+
+def filter_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] float32 logits tempered and filtered (top-k, then top-p, then min-p); dropped tokens are -inf."""
+    logits = raw / batch.temperature.unsqueeze(1)  # a fresh tensor, so the filters below work in place
+    neg_inf = float("-inf")
+    if batch.any_top_p:
+        # One sort serves both top-k and top-p, and top-p sees the distribution top-k left.
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        if batch.any_top_k:
+            sorted_logits.masked_fill_(sorted_logits < _top_k_threshold(sorted_logits, batch.top_k), neg_inf)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # 0 for the top token, so it is always kept
+        drop = mass_before >= batch.top_p.unsqueeze(1)
+        # Rounding can push the tail's cumulative sum to 1, which must not filter rows with top_p = 1.
+        drop &= (batch.top_p < 1.0).unsqueeze(1)
+        sorted_logits.masked_fill_(drop, neg_inf)
+        logits = torch.empty_like(sorted_logits).scatter_(1, sorted_idx, sorted_logits)
+    elif batch.any_top_k:
+        width = min(batch.max_top_k, logits.shape[1])
+        kth = _top_k_threshold(logits.topk(width, dim=-1).values, batch.top_k)
+        logits.masked_fill_(logits < kth, neg_inf)
+    if batch.any_min_p:
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf keeps every token.
+        floor = logits.amax(dim=-1, keepdim=True) + batch.min_p.log().unsqueeze(1)
+        logits.masked_fill_(logits < floor, neg_inf)
+    return logits
+
+
+class Sampler:
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor | Sequence[int]
+    ) -> SamplerOutput:
+        """logits [B, V] (any float dtype; compute in float32). positions[i] = the sequence position of
+        the token row i is sampling (used with the seed)."""
+        raw = logits.float()
+        if batch.all_greedy:
+            token_ids = raw.argmax(dim=-1)
+        else:
+            token_ids = self._sample(raw, batch, positions)
+            if batch.any_greedy:
+                token_ids = torch.where(batch.greedy, raw.argmax(dim=-1), token_ids)
+        if batch.max_num_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        # Raw logprobs, as vLLM reports by default: the model's distribution before temperature and filters.
+        logprobs = torch.log_softmax(raw, dim=-1)
+        top = logprobs.topk(batch.max_num_logprobs, dim=-1)
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        return SamplerOutput(token_ids, chosen, top.indices, top.values)
+
+    def _sample(
+        self, raw: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor | Sequence[int]
+    ) -> torch.Tensor:
+        probs = filter_logits(raw, batch).softmax(dim=-1)
+        # Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i.
+        q = torch.empty_like(probs).exponential_()
+        if batch.seeded:
+            pos = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
+            for row, seed in batch.seeded:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(mix_seed(seed, int(pos[row])))
+                q[row].exponential_(generator=gen)
+        # q can round to 0; then a masked token's 0/0 would be NaN, which argmax would pick.
+        q.clamp_min_(torch.finfo(q.dtype).tiny)
+        return probs.div_(q).argmax(dim=-1)

@@ -1,0 +1,166 @@
+"""The offline engine: the scheduler, block manager and model runner of the services, in one process.
+
+    from pagedserve import LLM, SamplingParams
+    llm = LLM()                      # the default model (SmolLM2-135M-Instruct) on the CPU
+    [result] = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    print(result.text)
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from executor_svc.model_runner import ModelRunner
+from kvcache_svc.kv_cache_manager import KVCacheManager
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import SampledToken
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[SampledToken] | None = None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        kv_cache_fraction: float = 0.3,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        torch.manual_seed(seed)
+        self.runner = ModelRunner(
+            model, dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
+            kv_cache_fraction=kv_cache_fraction, max_model_len=max_model_len,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir)
+        config = self.runner.config
+        context_len = config.max_model_len
+        kv_capacity = self.runner.num_blocks * block_size
+        if kv_capacity < context_len:
+            # A request alone must always fit, or preemption could never make room for it.
+            logger.warning("KV cache holds %d tokens; capping the context length at that", kv_capacity)
+            context_len = kv_capacity
+        self.block_manager = KVCacheManager(self.runner.num_blocks, block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                block_size=block_size, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max(max_num_batched_tokens, 0 if enable_chunked_prefill else context_len),
+                max_model_len=context_len, enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            self.block_manager.step,
+            num_free_blocks=self.runner.num_blocks,
+        )
+        self.eos_token_ids = self.runner.eos_token_ids
+        self._request_ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Generates for every prompt (text, or a list of token ids) as one continuous batch.
+
+        Returns one result per prompt, in input order.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(
+                f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
+            )
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for prompt, params in zip(prompt_list, params_list):
+            token_ids = self._tokenize(prompt)
+            request_id = str(next(self._request_ids))
+            self.scheduler.add_request(
+                Request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len)
+            )
+            results[request_id] = GenerationResult(
+                request_id, token_ids, logprobs=[] if params.logprobs is not None else None
+            )
+            order.append(request_id)
+
+        while self.scheduler.has_unfinished_requests():
+            for output in self.scheduler.step(self.runner.execute):
+                result = results[output.request_id]
+                result.token_ids.extend(output.new_token_ids)
+                if output.new_logprobs is not None and result.logprobs is not None:
+                    result.logprobs.extend(output.new_logprobs)
+                result.finish_reason = output.finish_reason
+        for result in results.values():
+            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return [results[request_id] for request_id in order]
+
+    def chat(
+        self,
+        conversations: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Applies the model's chat template to each conversation (a list of {role, content}) and generates."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            for messages in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        token_ids = list(prompt)
+        vocab_size = self.runner.config.vocab_size
+        for token_id in token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {token_id!r}")
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        return token_ids
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts

@@ -1,0 +1,112 @@
+"""The messages of one engine step, as plain Python.
+
+The scheduler produces them, the KV-cache block manager and the executor consume them. In one process they
+are passed as they are; between processes each server converts them to and from protobuf. Keeping them
+here, in the shared foundation, is what lets the three cores meet without importing each other.
+
+A step costs one call to the block manager (``BlockStepRequest`` -> ``BlockStepResult``) and one call to
+the executor (``ExecuteStep`` -> ``ExecuteResult``), whatever the batch size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+
+# --------------------------------------------------------------------------- scheduler -> block manager
+
+
+@dataclass(slots=True)
+class BlockRequest:
+    """Slots one request needs by the end of this step."""
+
+    request_id: str
+    # Tokens that must have a KV slot once this step has run (computed so far + scheduled now).
+    num_tokens: int
+    # Set when the request is admitted (or re-admitted after preemption): its known tokens, which
+    # the prefix cache hashes to find blocks that are already computed.
+    prompt_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class BlockStepRequest:
+    # Freed first, so their blocks serve this step's requests.
+    free_request_ids: list[str] = field(default_factory=list)
+    # Served in order, each all-or-nothing: a request that cannot get all its slots keeps what it had.
+    requests: list[BlockRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BlockStepResult:
+    # Block ids appended to each served request's block table this step (a delta, not the table).
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # For newly admitted requests: leading prompt tokens whose KV is already in the pool.
+    num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    failed_request_ids: list[str] = field(default_factory=list)
+    num_free_blocks: int = 0
+
+
+# --------------------------------------------------------------------------- scheduler -> executor
+
+
+@dataclass(slots=True)
+class ExecuteRequest:
+    request_id: str
+    # Tokens whose K/V this step computes: a prefill chunk, or the one newest token of a decode.
+    token_ids: list[int]
+    # Position of token_ids[0]; every earlier position's K/V is already in the cache.
+    start_position: int
+    # Appended to the block table the executor keeps for this request.
+    new_block_ids: list[int]
+    # True when token_ids end at the request's last known token, so the step samples its next one.
+    sample: bool
+    # Sent the first time the executor sees the request (and again after preemption); the executor
+    # then (re)creates its state, so its block table starts from new_block_ids alone.
+    sampling_params: SamplingParams | None = None
+    # Sent with sampling_params: the prompt length, from which the executor counts output tokens
+    # (min_tokens keeps stop and EOS tokens from being sampled until that many exist).
+    prompt_len: int = 0
+
+
+@dataclass(slots=True)
+class ExecuteStep:
+    requests: list[ExecuteRequest] = field(default_factory=list)
+    # Requests whose state the executor drops before running this step (finished, aborted, preempted).
+    finished_request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # log-probability of token_id under the model's distribution
+    top_token_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+@dataclass(slots=True)
+class ExecuteResult:
+    # One entry per request of the step that had sample=True.
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+# --------------------------------------------------------------------------- scheduler -> frontend
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step added to one request: its new tokens and, on the last one, why it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken] | None = None  # when the request asked for logprobs
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # so far, this step's included
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

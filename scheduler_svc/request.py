@@ -1,0 +1,71 @@
+"""A request as the scheduler tracks it: its tokens, how many have K/V computed, and its blocks."""
+from __future__ import annotations
+
+import enum
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import SampledToken
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
+        "output_token_ids", "output_logprobs", "num_computed_tokens", "num_blocks", "status",
+        "finish_reason", "executor_has_state", "num_preemptions", "cache_salt",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        eos = () if sampling_params.ignore_eos else eos_token_ids
+        self.stop_ids = frozenset(sampling_params.stop_token_ids) | frozenset(eos)
+        room = max_model_len - len(self.prompt_token_ids)
+        wanted = sampling_params.max_tokens
+        self.max_output_tokens = room if wanted is None else min(wanted, room)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[SampledToken] = []
+        # Tokens whose K/V is in the cache (or scheduled this step): the scheduler's only notion of
+        # progress; there are no prefill/decode phases, only catching up to num_tokens.
+        self.num_computed_tokens = 0
+        self.num_blocks = 0  # blocks the block manager holds for this request
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.executor_has_state = False
+        self.num_preemptions = 0
+        self.cache_salt = cache_salt
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    def append_token(self, token: SampledToken) -> None:
+        """Adds a sampled token and decides whether the request has finished."""
+        self.output_token_ids.append(token.token_id)
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs.append(token)
+        num_output = len(self.output_token_ids)
+        if token.token_id in self.stop_ids and num_output >= self.sampling_params.min_tokens:
+            self.finish_reason = "stop"
+        elif num_output >= self.max_output_tokens:
+            self.finish_reason = "length"

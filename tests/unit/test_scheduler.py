@@ -1,0 +1,232 @@
+"""The scheduler against the real block manager and a fake executor that checks what it is fed.
+
+The fake executor rebuilds every request's token sequence from the steps it receives (failing on a gap,
+an overlap or a slot it was not given), and "samples" a token that is a hash of the whole sequence, so
+any feeding mistake changes the output, the way a real model's would.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache_svc.kv_cache_manager import KVCacheManager
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import ExecuteResult, ExecuteStep, SampledToken
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+
+VOCAB = 1000
+EOS = 999
+
+
+class CheckingExecutor:
+    def __init__(self, block_manager: KVCacheManager, block_size: int, eos_after: dict[str, int] | None = None):
+        self.block_manager = block_manager
+        self.block_size = block_size
+        self.sequences: dict[str, list[int]] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self.eos_after = eos_after or {}
+        self.steps: list[ExecuteStep] = []
+
+    def __call__(self, step: ExecuteStep) -> ExecuteResult:
+        self.steps.append(step)
+        for request_id in step.finished_request_ids:
+            self.sequences.pop(request_id, None)
+            self.block_tables.pop(request_id, None)
+        result = ExecuteResult()
+        for req in step.requests:
+            if req.sampling_params is not None:
+                self.sequences[req.request_id] = []
+                self.block_tables[req.request_id] = []
+            sequence = self.sequences[req.request_id]
+            assert req.start_position == len(sequence), "tokens fed out of order"
+            sequence.extend(req.token_ids)
+            table = self.block_tables[req.request_id]
+            table.extend(req.new_block_ids)
+            # The executor's table must equal the block manager's and cover every position.
+            assert table == self.block_manager.block_ids(req.request_id)
+            assert len(table) * self.block_size >= len(sequence)
+            if req.sample:
+                result.sampled[req.request_id] = SampledToken(self.next_token(req.request_id, sequence))
+        return result
+
+    def next_token(self, request_id: str, sequence: list[int]) -> int:
+        if request_id in self.eos_after and len(sequence) >= self.eos_after[request_id]:
+            return EOS
+        return hash((len(sequence), sum(sequence), sequence[-1])) % (VOCAB - 1)
+
+
+def make_engine(num_blocks: int, block_size: int = 4, **config):
+    block_manager = KVCacheManager(num_blocks, block_size)
+    config.setdefault("max_model_len", 512)
+    scheduler = Scheduler(SchedulerConfig(block_size=block_size, **config), block_manager.step, num_blocks)
+    return scheduler, block_manager, CheckingExecutor(block_manager, block_size)
+
+
+def add(scheduler, request_id: str, prompt: list[int], **params) -> Request:
+    request = Request(request_id, prompt, SamplingParams(**params), (EOS,), scheduler.config.max_model_len)
+    scheduler.add_request(request)
+    return request
+
+
+def run_to_completion(scheduler, executor, block_manager, max_steps: int = 10_000) -> dict[str, list[int]]:
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            break
+        for output in scheduler.step(executor):
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+        # The scheduler's count of each request's blocks agrees with the block manager's tables.
+        for request in scheduler.running:
+            assert request.num_blocks == len(block_manager.block_ids(request.request_id))
+    assert not scheduler.has_unfinished_requests(), "requests still unfinished"
+    return outputs
+
+
+def random_prompts(count: int, seed: int, low: int = 5, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB - 1) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def test_quarter_pool_preempts_and_every_output_matches_an_unconstrained_run():
+    prompts = random_prompts(32, seed=0)
+    max_tokens = 32
+    block_size = 4
+    blocks_needed = sum(-(-(len(p) + max_tokens) // block_size) for p in prompts)
+
+    results = {}
+    for num_blocks in (blocks_needed, blocks_needed // 4):
+        scheduler, block_manager, executor = make_engine(num_blocks, block_size, max_num_batched_tokens=64)
+        for i, prompt in enumerate(prompts):
+            add(scheduler, f"r{i}", prompt, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        results[num_blocks] = run_to_completion(scheduler, executor, block_manager)
+        scheduler.step(executor)  # an empty step hands the last finished requests' blocks back
+        assert block_manager.num_free_blocks == num_blocks and block_manager.num_requests == 0
+        if num_blocks == blocks_needed:
+            assert scheduler.num_preemptions == 0
+        else:
+            assert scheduler.num_preemptions > 0
+    unconstrained, constrained = results[blocks_needed], results[blocks_needed // 4]
+    assert len(constrained) == 32
+    assert all(len(tokens) == max_tokens for tokens in constrained.values())
+    assert constrained == unconstrained
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    budget=st.integers(1, 96),
+    max_num_seqs=st.integers(1, 12),
+    num_blocks=st.integers(40, 200),
+)
+def test_token_budget_and_max_num_seqs_are_never_exceeded(seed, budget, max_num_seqs, num_blocks):
+    scheduler, block_manager, executor = make_engine(
+        num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=160,
+    )
+    rng = random.Random(seed)
+    for i, prompt in enumerate(random_prompts(rng.randint(1, 10), seed, high=100)):
+        add(scheduler, f"r{i}", prompt, temperature=0, max_tokens=rng.randint(1, 20), ignore_eos=True)
+    run_to_completion(scheduler, executor, block_manager)
+    for step in executor.steps:
+        assert sum(len(r.token_ids) for r in step.requests) <= budget
+        assert len(step.requests) <= max_num_seqs
+
+
+def test_long_prompt_is_chunked_and_decodes_share_its_steps():
+    scheduler, block_manager, executor = make_engine(400, block_size=4, max_num_batched_tokens=32)
+    add(scheduler, "short", [1, 2, 3], temperature=0, max_tokens=20, ignore_eos=True)
+    scheduler.step(executor)  # short is decoding from here on
+    add(scheduler, "long", list(range(100)), temperature=0, max_tokens=2, ignore_eos=True)
+    run_to_completion(scheduler, executor, block_manager)
+    long_chunks = [
+        (r.start_position, len(r.token_ids), any(o.request_id == "short" for o in step.requests))
+        for step in executor.steps for r in step.requests if r.request_id == "long"
+    ]
+    # 100 prompt tokens at 31 per step (one token of the budget goes to the decode), then decodes.
+    prefill = [c for c in long_chunks if c[1] > 1]
+    assert [c[1] for c in prefill] == [31, 31, 31, 7]
+    assert all(shared for _, _, shared in prefill), "decodes must run in the same steps as the chunks"
+    samples = [r.sample for step in executor.steps for r in step.requests if r.request_id == "long"]
+    assert samples[:4] == [False, False, False, True], "only the chunk that ends the prompt samples"
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole():
+    scheduler, block_manager, executor = make_engine(
+        400, block_size=4, max_num_batched_tokens=128, max_model_len=128, enable_chunked_prefill=False
+    )
+    add(scheduler, "a", list(range(100)), temperature=0, max_tokens=3, ignore_eos=True)
+    add(scheduler, "b", list(range(90)), temperature=0, max_tokens=3, ignore_eos=True)
+    run_to_completion(scheduler, executor, block_manager)
+    first, second = executor.steps[0], executor.steps[1]
+    assert [(r.request_id, len(r.token_ids)) for r in first.requests] == [("a", 100)]
+    assert ("b", 90) in [(r.request_id, len(r.token_ids)) for r in second.requests]
+
+
+def test_stop_conditions():
+    scheduler, block_manager, executor = make_engine(200, block_size=4)
+    executor.eos_after = {"eos": 8, "eos_ignored": 8, "eos_min": 8}
+    add(scheduler, "length", [1, 2, 3], temperature=0, max_tokens=5)
+    add(scheduler, "eos", [1, 2, 3], temperature=0, max_tokens=50)
+    add(scheduler, "eos_ignored", [1, 2, 3], temperature=0, max_tokens=12, ignore_eos=True)
+    add(scheduler, "eos_min", [1, 2, 3], temperature=0, max_tokens=50, min_tokens=9)
+    first_token = executor.next_token("x", [1, 2, 3])
+    add(scheduler, "stop_id", [1, 2, 3], temperature=0, max_tokens=50, stop_token_ids=[first_token])
+    finish = {}
+    outputs = {}
+    while scheduler.has_unfinished_requests():
+        for out in scheduler.step(executor):
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+    assert finish["length"] == "length" and len(outputs["length"]) == 5
+    # The prompt has 3 tokens, so the 6th output makes the sequence 8 long and the 7th is EOS.
+    assert finish["eos"] == "stop" and outputs["eos"][-1] == EOS and len(outputs["eos"]) == 6
+    assert finish["eos_ignored"] == "length" and len(outputs["eos_ignored"]) == 12
+    assert EOS in outputs["eos_ignored"]
+    # min_tokens: EOS before the 9th token does not stop (the real executor also masks it).
+    assert finish["eos_min"] == "stop" and len(outputs["eos_min"]) == 9
+    assert finish["stop_id"] == "stop" and outputs["stop_id"] == [first_token]
+
+
+def test_max_model_len_ends_a_request_with_length():
+    scheduler, block_manager, executor = make_engine(200, block_size=4, max_model_len=20)
+    add(scheduler, "r", list(range(15)), temperature=0, max_tokens=None, ignore_eos=True)
+    outputs = run_to_completion(scheduler, executor, block_manager)
+    assert len(outputs["r"]) == 5
+    with pytest.raises(ValueError, match="context length"):
+        add(scheduler, "too-long", list(range(20)), temperature=0)
+
+
+def test_abort_frees_blocks_on_the_next_step():
+    scheduler, block_manager, executor = make_engine(100, block_size=4)
+    add(scheduler, "keep", list(range(10)), temperature=0, max_tokens=50, ignore_eos=True)
+    add(scheduler, "drop", list(range(30)), temperature=0, max_tokens=50, ignore_eos=True)
+    scheduler.step(executor)
+    held = len(block_manager.block_ids("drop"))
+    assert held > 0
+    free_before = block_manager.num_free_blocks
+    output = scheduler.abort_request("drop")
+    assert output.finish_reason == "abort"
+    scheduler.step(executor)
+    assert block_manager.block_ids("drop") == []
+    assert "drop" not in executor.sequences
+    assert block_manager.num_free_blocks >= free_before + held - 1  # keep may have taken one block
+    assert scheduler.abort_request("drop") is None
+
+
+def test_rejects_duplicate_ids_and_empty_prompts():
+    scheduler, _, _ = make_engine(10)
+    add(scheduler, "a", [1])
+    with pytest.raises(ValueError, match="already in use"):
+        add(scheduler, "a", [1])
+    with pytest.raises(ValueError, match="at least one token"):
+        add(scheduler, "b", [])
+
+
+@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 1.5)])
+def test_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**{field: value})
