@@ -23,7 +23,7 @@ from executor_svc.model_loader import generation_eos_token_ids, iterate_weights,
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.sampler import Sampler, SamplingBatch
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteRequest, ExecuteResult, ExecuteStep, SampledToken
+from pagedserve.step import ExecuteRequest, ExecuteResult, ExecuteStep
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +96,9 @@ class ModelRunner:
         params = [self.requests[r.request_id].params for r in sampling]
         sampled_positions = [r.start_position + len(r.token_ids) for r in sampling]
         self._ban_stop_tokens_before_min_tokens(logits, sampling, sampled_positions)
-        out = self.sampler(logits, SamplingBatch.build(params, self.device), sampled_positions)
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        top_logprobs = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for row, (req, p) in enumerate(zip(sampling, params)):
-            token = SampledToken(token_ids[row])
-            if p.logprobs is not None and logprobs is not None:
-                token.logprob = logprobs[row]
-                token.top_token_ids = top_ids[row][: p.logprobs]
-                token.top_logprobs = top_logprobs[row][: p.logprobs]
-            result.sampled[req.request_id] = token
+        batch = SamplingBatch.build(params, self.device)
+        tokens = self.sampler(logits, batch, sampled_positions).to_sampled_tokens(batch)
+        result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
         return result
 
     def _ban_stop_tokens_before_min_tokens(self, logits, sampling, sampled_positions) -> None:

@@ -56,24 +56,25 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
         greedy = [p.greedy for p in params]
+        temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        # Features of greedy rows are ignored, so they do not switch the filters on.
+        random_rows = [p for p, g in zip(params, greedy) if not g]
+        random_top_k = [k for k, g in zip(top_k, greedy) if not g]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=torch.tensor(
-                [1.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32, device=device
-            ),
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
-            # Features of greedy rows are ignored, so they do not switch the filters on.
-            any_top_k=any(k > 0 and not g for k, g in zip(top_k, greedy)),
-            any_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
-            any_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
-            max_top_k=max(top_k, default=0),
-            seeded=[(i, p.seed) for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g],
+            any_top_k=any(k > 0 for k in random_top_k),
+            any_top_p=any(p.top_p < 1.0 for p in random_rows),
+            any_min_p=any(p.min_p > 0.0 for p in random_rows),
+            max_top_k=max(random_top_k, default=0),
+            seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.greedy],
             num_logprobs=[p.logprobs for p in params],
             max_num_logprobs=max(asked) if asked else None,
         )
@@ -112,7 +113,7 @@ def _top_k_threshold(desc_values: torch.Tensor, top_k: torch.Tensor) -> torch.Te
 
 
 def filter_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[B, V] float32 logits tempered and filtered (top-k, then top-p, then min-p); dropped tokens are -inf."""
+    """[B, V] float32 logits, tempered, then filtered by top-k, top-p and min-p; dropped tokens are -inf."""
     logits = raw / batch.temperature.unsqueeze(1)  # a fresh tensor, so the filters below work in place
     neg_inf = float("-inf")
     if batch.any_top_p:

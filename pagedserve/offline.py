@@ -59,7 +59,11 @@ class LLM:
             model, dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
             kv_cache_fraction=kv_cache_fraction, max_model_len=max_model_len,
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir)
+        # A checkpoint without tokenizer files still serves prompts given as token ids (text stays "").
+        has_tokenizer = any(
+            (self.runner.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir) if has_tokenizer else None
         config = self.runner.config
         context_len = config.max_model_len
         kv_capacity = self.runner.num_blocks * block_size
@@ -124,8 +128,9 @@ class LLM:
                 if output.new_logprobs is not None and result.logprobs is not None:
                     result.logprobs.extend(output.new_logprobs)
                 result.finish_reason = output.finish_reason
-        for result in results.values():
-            result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        if self.tokenizer is not None:
+            for result in results.values():
+                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         return [results[request_id] for request_id in order]
 
     def chat(
@@ -134,6 +139,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Applies the model's chat template to each conversation (a list of {role, content}) and generates."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [
@@ -146,6 +153,8 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         token_ids = list(prompt)
         vocab_size = self.runner.config.vocab_size

@@ -9,44 +9,16 @@ import torch
 from executor_svc.model_runner import ModelRunner
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteRequest, ExecuteStep
+from tests.conftest import write_tiny_model
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 8
 
 
-def tiny_config(kind: str):
-    from transformers import LlamaConfig, Qwen2Config
-
-    common = dict(
-        vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )
-    if kind == "llama":
-        return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    if kind == "llama3-rope":
-        return LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 128,
-        })
-    if kind == "qwen2":
-        return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    raise ValueError(kind)
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3-rope"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "llama3-rope"])
 def tiny_model(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(tiny_config(request.param), dtype=torch.float32).eval()
-    # Random init leaves biases at zero; give them values so a dropped bias shows.
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.5)
     path = tmp_path_factory.mktemp(request.param)
-    hf_model.save_pretrained(path)
-    return path, hf_model
+    return path, write_tiny_model(request.param, path)
 
 
 class TeacherForcedDriver:
@@ -118,3 +90,19 @@ def test_chunked_and_unchunked_prefill_give_the_same_logits(tiny_model):
     reference = logits[(90,)]
     for chunks, value in logits.items():
         assert (value - reference).abs().max().item() < 1e-5, chunks
+
+
+def test_bfloat16_logits_stay_within_bf16_tolerance_of_transformers(tiny_model):
+    path, hf_model = tiny_model
+    hf_bf16 = type(hf_model).from_pretrained(path, dtype=torch.bfloat16).eval()
+    runner = ModelRunner(str(path), dtype="bfloat16", block_size=BLOCK_SIZE, kv_cache_memory=1 << 20)
+    driver = TeacherForcedDriver(runner)
+    tokens = [random.Random(3).randrange(160) for _ in range(64)]
+    expected = reference_logits(hf_bf16, tokens)
+    start = 0
+    for n in (40, 1, 1, 7, 15):
+        logits = runner.step_logits(ExecuteStep([driver.request("r", tokens, start, n)]))["r"]
+        start += n
+        reference = expected[start - 1]
+        scale = reference.abs().max().item()
+        assert (logits - reference).abs().max().item() < 0.02 * scale + 1e-2

@@ -107,7 +107,9 @@ def test_greedy_rows_stay_greedy_in_a_mixed_batch() -> None:
 # --------------------------------------------------------------------------- seeds
 
 
-def seeded_sequence(row: torch.Tensor, params: SamplingParams, positions: range, batch_of: int, at: int) -> list[int]:
+def seeded_sequence(
+    row: torch.Tensor, params: SamplingParams, positions: range, batch_of: int, at: int
+) -> list[int]:
     """Tokens drawn for one seeded row at each position, placed at row `at` of a batch of other rows."""
     generator = torch.Generator().manual_seed(batch_of * 131 + at)
     tokens = []
@@ -115,7 +117,9 @@ def seeded_sequence(row: torch.Tensor, params: SamplingParams, positions: range,
         others = torch.randn(batch_of, row.numel(), generator=generator)
         logits = others.clone()
         logits[at] = row
-        all_params = [SamplingParams(seed=1000 + i, top_p=0.95) if i % 3 == 0 else SamplingParams() for i in range(batch_of)]
+        all_params = [
+            SamplingParams(seed=1000 + i, top_p=0.95) if i % 3 == 0 else SamplingParams() for i in range(batch_of)
+        ]
         all_params[at] = params
         all_positions = [pos + 17 * i for i in range(batch_of)]
         all_positions[at] = pos

@@ -1,0 +1,117 @@
+"""Output-token throughput on workload W: the in-process engine vs transformers' generate_batch.
+
+Both run the same model, dtype and prompts, side by side in one run; the ratio is what counts
+(absolute times on shared machines drift). Writes bench/results/throughput.json.
+
+    python bench/throughput.py [--dtype float32] [--num-requests 64] [--skip-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import workload_w, write_result  # noqa: E402
+from pagedserve import LLM, SamplingParams  # noqa: E402
+
+
+def run_engine(args, prompts) -> dict:
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+
+    # Sample KV waste (allocated but unused slots) after every step.
+    used_total = allocated_total = 0
+    steps = 0
+    schedule = llm.scheduler.schedule
+
+    def schedule_and_count():
+        nonlocal used_total, allocated_total, steps
+        step = schedule()
+        used, allocated = llm.scheduler.kv_slot_usage()
+        used_total += used
+        allocated_total += allocated
+        steps += 1
+        return step
+
+    llm.scheduler.schedule = schedule_and_count
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(r.token_ids) for r in results)
+    assert output_tokens == len(prompts) * args.output_len
+    return {
+        "seconds": elapsed,
+        "output_tokens": output_tokens,
+        "output_tok_per_s": output_tokens / elapsed,
+        "total_tok_per_s": (output_tokens + sum(map(len, prompts))) / elapsed,
+        "steps": steps,
+        "kv_waste": 1 - used_total / allocated_total,
+        "preemptions": llm.scheduler.num_preemptions,
+        "kv_blocks": llm.runner.num_blocks,
+    }
+
+
+def run_hf(args, prompts, model_dir) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    config = GenerationConfig(
+        max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+        eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id,
+    )
+    model.generate_batch([p[:8] for p in prompts[:4]], generation_config=GenerationConfig(
+        max_new_tokens=2, do_sample=False, eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.eos_token_id))  # warm-up
+    start = time.perf_counter()
+    outputs = model.generate_batch(prompts, generation_config=config)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    return {
+        "seconds": elapsed,
+        "output_tokens": output_tokens,
+        "output_tok_per_s": output_tokens / elapsed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--skip-hf", action="store_true", help="engine only (no ratio is written)")
+    parser.add_argument("--name", default="throughput", help="result file name under bench/results/")
+    args = parser.parse_args()
+
+    prompts = workload_w(args.num_requests)
+    engine = run_engine(args, prompts)
+    print(f"engine: {engine['output_tok_per_s']:.1f} output tok/s ({engine['seconds']:.1f} s), "
+          f"kv_waste {engine['kv_waste']:.4f}", flush=True)
+    metrics = {"workload": {"num_requests": args.num_requests, "prompt_len": [64, 512],
+                            "output_len": args.output_len, "dtype": args.dtype, "device": args.device},
+               "engine": engine}
+    ratios = {"kv_waste": engine["kv_waste"]}
+    if not args.skip_hf:
+        from executor_svc.model_loader import resolve_model_dir
+
+        hf = run_hf(args, prompts, resolve_model_dir(args.model))
+        print(f"transformers generate_batch: {hf['output_tok_per_s']:.1f} output tok/s ({hf['seconds']:.1f} s)")
+        metrics["transformers_generate_batch"] = hf
+        ratios["engine_vs_hf"] = engine["output_tok_per_s"] / hf["output_tok_per_s"]
+        print(f"engine_vs_hf: {ratios['engine_vs_hf']:.2f}")
+    path = write_result(args.name, ratios, metrics)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
