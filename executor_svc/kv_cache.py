@@ -33,7 +33,7 @@ def allocate_kv_caches(
     config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeros, not empty: attention masks padded key slots, and a masked NaN would still poison the sum.
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)  # HND, see the attention backend
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(config.num_layers)

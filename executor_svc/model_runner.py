@@ -16,6 +16,7 @@ from executor_svc.attention.torch_backend import (
     DecodeGroup,
     PrefillSegment,
     TorchPagedAttention,
+    causal_bias,
 )
 from executor_svc.kv_cache import allocate_kv_caches, available_memory, num_blocks_for_budget
 from executor_svc.model_config import ModelConfig, parse_dtype
@@ -177,7 +178,9 @@ class ModelRunner:
                 block_ids = torch.as_tensor(
                     self.requests[req.request_id].block_ids[:num_blocks], device=self.device
                 )
-            segments.append(PrefillSegment(start, end, context_len, block_ids))
+            segments.append(
+                PrefillSegment(start, end, context_len, block_ids, causal_bias(end - start, context_len).to(self.device))
+            )
             start = end
         num_prefill_tokens = start
 
@@ -201,9 +204,9 @@ class ModelRunner:
             held = self.requests[r.request_id].block_ids[:max_blocks]
             tables[i, : len(held)] = held
         key_positions = np.arange(max_blocks * self.block_size)
-        mask = key_positions[None, :] < context_lens[:, None]
+        bias = np.where(key_positions[None, :] < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
         return DecodeGroup(
             row_start,
             torch.from_numpy(tables).to(self.device),
-            torch.from_numpy(mask).to(self.device)[:, None, None, :],
+            torch.from_numpy(bias).to(self.device)[:, None, None, :],
         )

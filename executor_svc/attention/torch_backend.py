@@ -1,16 +1,16 @@
 """Paged attention in plain torch: the CPU backend and the reference the CUDA kernels are checked against.
 
 The flat batch holds prefill chunks first, then single-token rows (decodes, and prefill chunks of one
-token). Each layer's cache is ``[num_blocks, block_size, num_kv_heads, head_dim]``; a request's K/V lives
-in the blocks its block table names, position p at block ``table[p // block_size]``, offset
-``p % block_size``.
+token). Each layer's cache is ``[num_blocks, num_kv_heads, block_size, head_dim]`` (HND): one KV head of
+one block is a contiguous ``block_size x head_dim`` tile, which is what a GPU thread block serving one KV
+head reads, and what lets the CPU path multiply gathered blocks without re-laying them out. Position p of
+a request lives in block ``table[p // block_size]`` at offset ``p % block_size``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -19,6 +19,16 @@ class PrefillSegment:
     query_end: int
     context_len: int  # keys this chunk attends to: cached context + the chunk itself
     block_ids: torch.Tensor | None  # int64 blocks holding positions [0, context_len); None: no cached context
+    # [num_queries, context_len] float32, 0 or -inf: query i sits at position context_len - n + i and
+    # sees keys at positions <= it (the causal rule aligned bottom-right, for chunks).
+    bias: torch.Tensor
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    row_start: int  # rows [row_start, row_start + rows) of the flat batch
+    block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
+    bias: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] float32: 0 below the context length, else -inf
 
 
 @dataclass(slots=True)
@@ -27,20 +37,31 @@ class AttentionMetadata:
     prefills: list[PrefillSegment]
     num_prefill_tokens: int
     # Single-token rows, grouped so that each group pads its contexts to a similar length.
-    decode_groups: list["DecodeGroup"]
+    decode_groups: list[DecodeGroup]
 
 
-@dataclass(slots=True)
-class DecodeGroup:
-    row_start: int  # rows [row_start, row_start + len(context_lens)) of the flat batch
-    block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
-    key_mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool: key position < context length
+# Queries per matmul in prefill attention: bounds the score matrix to QUERY_TILE x context per head.
+QUERY_TILE = 256
+
+
+def causal_bias(num_queries: int, context_len: int) -> torch.Tensor:
+    key_pos = torch.arange(context_len)
+    query_pos = torch.arange(context_len - num_queries, context_len)
+    return torch.zeros(num_queries, context_len).masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
 
 
 class TorchPagedAttention:
+    """Attention as two matmuls per KV head with a float32 softmax between them.
+
+    Each KV head's query group is folded into the rows of one matmul, so K/V are read once per KV head
+    (no repeat for GQA); on CPUs this beats scaled_dot_product_attention for decode (one query row over
+    a masked context) and for bfloat16.
+    """
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
 
@@ -49,7 +70,7 @@ class TorchPagedAttention:
         query: torch.Tensor,  # [T, num_heads * head_dim]
         key: torch.Tensor,  # [T, num_kv_heads * head_dim]
         value: torch.Tensor,
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -57,50 +78,59 @@ class TorchPagedAttention:
         q = query.view(num_tokens, self.num_heads, self.head_dim)
         k = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_cache(key_cache, value_cache, k, v, meta.slot_mapping)
 
         out = torch.empty_like(q)
         for seg in meta.prefills:
-            out[seg.query_start : seg.query_end] = self._prefill(q, k, v, key_cache, value_cache, seg)
+            if seg.block_ids is None:
+                # A whole prompt in one chunk: its K/V are this step's own, no gather needed.
+                keys = k[seg.query_start : seg.query_end].transpose(0, 1)
+                values = v[seg.query_start : seg.query_end].transpose(0, 1)
+            else:
+                keys = _gather(key_cache, seg.block_ids, seg.context_len)
+                values = _gather(value_cache, seg.block_ids, seg.context_len)
+            for tile in range(seg.query_start, seg.query_end, QUERY_TILE):
+                tile_end = min(tile + QUERY_TILE, seg.query_end)
+                bias = seg.bias[tile - seg.query_start : tile_end - seg.query_start]
+                out[tile:tile_end] = self._prefill_tile(q[tile:tile_end], keys, values, bias)
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.block_tables.shape[0])
             out[rows] = self._decode(q[rows], key_cache, value_cache, group)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _prefill(self, q, k, v, key_cache, value_cache, seg: PrefillSegment) -> torch.Tensor:
-        num_queries = seg.query_end - seg.query_start
-        query = q[seg.query_start : seg.query_end].transpose(0, 1)  # [H, n, D]
-        if seg.block_ids is None:
-            # A whole prompt in one chunk: its K/V are this step's own, no gather needed.
-            keys = k[seg.query_start : seg.query_end]
-            values = v[seg.query_start : seg.query_end]
-            mask, causal = None, True
-        else:
-            keys = _gather(key_cache, seg.block_ids, seg.context_len)
-            values = _gather(value_cache, seg.block_ids, seg.context_len)
-            # Bottom-right causal: query i sits at position context_len - n + i and sees keys <= it.
-            first_query_pos = seg.context_len - num_queries
-            query_pos = torch.arange(first_query_pos, seg.context_len).unsqueeze(1)
-            mask, causal = torch.arange(seg.context_len).unsqueeze(0) <= query_pos, False
-        out = F.scaled_dot_product_attention(
-            query, keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True,
-        )
-        return out.transpose(0, 1)
+    def _prefill_tile(self, q, keys, values, bias) -> torch.Tensor:
+        n, kvh, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
+        # [n, H, D] -> [KVH, G*n, D]: query head h = kv_head * G + g, as transformers' repeat_kv has it.
+        grouped = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
+        scores = torch.matmul(grouped, keys.transpose(1, 2)).float().view(kvh, g, n, -1)
+        probs = (scores * self.scale + bias).softmax(-1).to(q.dtype).view(kvh, g * n, -1)
+        out = torch.matmul(probs, values)  # [KVH, G*n, D]
+        return out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads, d)
 
     def _decode(self, q, key_cache, value_cache, group: DecodeGroup) -> torch.Tensor:
         rows, max_blocks = group.block_tables.shape
-        max_len = max_blocks * key_cache.shape[1]
-        keys = key_cache[group.block_tables].view(rows, max_len, self.num_kv_heads, self.head_dim)
-        values = value_cache[group.block_tables].view(rows, max_len, self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [rows, H, 1, D]
-            keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=group.key_mask, scale=self.scale, enable_gqa=True,
-        )
-        return out.squeeze(2)
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        block_size = key_cache.shape[2]
+        keys = key_cache[group.block_tables]  # [rows, max_blocks, KVH, block_size, D]
+        values = value_cache[group.block_tables]
+        # Scores block by block: the query broadcasts over blocks, so the gathered tiles are used in place.
+        scores = torch.matmul(q.view(rows, 1, kvh, g, d), keys.transpose(-1, -2)).float()  # [rows, blocks, KVH, G, bs]
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kvh, g, max_blocks * block_size)
+        probs = (scores * self.scale + group.bias).softmax(-1).to(q.dtype)
+        probs = probs.view(rows, kvh, g, max_blocks, block_size).permute(0, 3, 1, 2, 4)
+        out = torch.matmul(probs, values).sum(1)  # [rows, KVH, G, D]
+        return out.reshape(rows, self.num_heads, d)
+
+
+def write_cache(key_cache, value_cache, key, value, slot_mapping) -> None:
+    """Scatters the step's K/V ([T, KVH, D]) into their slots (slot = block * block_size + offset)."""
+    block_size = key_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, :, offsets] = key
+    value_cache[blocks, :, offsets] = value
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, context_len: int) -> torch.Tensor:
-    return cache[block_ids].flatten(0, 1)[:context_len]
+    """[KVH, context_len, D]: a request's first context_len positions, read through its block table."""
+    tiles = cache[block_ids]  # [blocks, KVH, block_size, D]
+    return tiles.transpose(0, 1).flatten(1, 2)[:, :context_len]
