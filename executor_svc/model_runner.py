@@ -11,13 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from executor_svc.attention.torch_backend import (
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillSegment,
-    TorchPagedAttention,
-    causal_bias,
-)
+from executor_svc.attention.layout import BatchLayout
+from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.kv_cache import allocate_kv_caches, available_memory, num_blocks_for_budget
 from executor_svc.model_config import ModelConfig, parse_dtype
 from executor_svc.model_loader import generation_eos_token_ids, iterate_weights, resolve_model_dir
@@ -27,11 +22,6 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteRequest, ExecuteResult, ExecuteStep
 
 logger = logging.getLogger(__name__)
-
-# A decode group grows while its longest context stays within this factor of its shortest: padding
-# every row to the group's longest context wastes at most this much attention work.
-DECODE_GROUP_PAD_FACTOR = 1.25
-
 
 @dataclass
 class RequestState:
@@ -67,11 +57,11 @@ class ModelRunner:
             sorted(set(self.config.eos_token_ids) | set(generation_eos_token_ids(self.model_dir)))
         )
 
-        backend = TorchPagedAttention(
+        self.attention = TorchPagedAttention(
             self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.config.head_dim**-0.5
         )
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.config, backend)
+            self.model = LlamaForCausalLM(self.config, self.attention)
         self.model.load_weights(iterate_weights(self.model_dir))
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # RoPE tables stay float32, as transformers keeps them
@@ -138,11 +128,19 @@ class ModelRunner:
         singles = sorted((r for r in step.requests if len(r.token_ids) == 1), key=lambda r: r.start_position)
         ordered = prefills + singles
         input_ids, positions, slots = self._flatten(ordered)
-        meta = self._attention_metadata(prefills, singles, slots)
+        layout = BatchLayout(
+            query_lens=[len(r.token_ids) for r in ordered],
+            context_lens=[r.start_position + len(r.token_ids) for r in ordered],
+            block_tables=[self.requests[r.request_id].block_ids for r in ordered],
+            num_prefills=len(prefills),
+            slot_mapping=slots,
+            block_size=self.block_size,
+        )
+        meta = self.attention.build_metadata(layout, self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         result = ExecuteResult(
-            num_prefill_tokens=meta.num_prefill_tokens,
-            num_decode_tokens=input_ids.shape[0] - meta.num_prefill_tokens,
+            num_prefill_tokens=layout.num_prefill_tokens,
+            num_decode_tokens=input_ids.shape[0] - layout.num_prefill_tokens,
         )
         row_ends = np.cumsum([len(r.token_ids) for r in ordered]) - 1
         sample_rows = [int(row_ends[i]) for i, r in enumerate(ordered) if r.sample]
@@ -166,47 +164,3 @@ class ModelRunner:
         input_ids = np.fromiter((t for r in ordered for t in r.token_ids), dtype=np.int64)
         as_tensor = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         return as_tensor(input_ids), as_tensor(positions), as_tensor(slots)
-
-    def _attention_metadata(self, prefills, singles, slots: torch.Tensor) -> AttentionMetadata:
-        segments, start = [], 0
-        for req in prefills:
-            end = start + len(req.token_ids)
-            context_len = req.start_position + len(req.token_ids)
-            block_ids = None
-            if req.start_position > 0:
-                num_blocks = -(-context_len // self.block_size)
-                block_ids = torch.as_tensor(
-                    self.requests[req.request_id].block_ids[:num_blocks], device=self.device
-                )
-            segments.append(
-                PrefillSegment(start, end, context_len, block_ids, causal_bias(end - start, context_len).to(self.device))
-            )
-            start = end
-        num_prefill_tokens = start
-
-        groups, row = [], num_prefill_tokens
-        i = 0
-        while i < len(singles):
-            j = i + 1
-            shortest = singles[i].start_position + 1
-            while j < len(singles) and singles[j].start_position + 1 <= shortest * DECODE_GROUP_PAD_FACTOR + self.block_size:
-                j += 1
-            groups.append(self._decode_group(singles[i:j], row))
-            row += j - i
-            i = j
-        return AttentionMetadata(slots, segments, num_prefill_tokens, groups)
-
-    def _decode_group(self, reqs: list[ExecuteRequest], row_start: int) -> DecodeGroup:
-        context_lens = np.asarray([r.start_position + 1 for r in reqs], dtype=np.int64)
-        max_blocks = int(-(-context_lens.max() // self.block_size))
-        tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            held = self.requests[r.request_id].block_ids[:max_blocks]
-            tables[i, : len(held)] = held
-        key_positions = np.arange(max_blocks * self.block_size)
-        bias = np.where(key_positions[None, :] < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
-        return DecodeGroup(
-            row_start,
-            torch.from_numpy(tables).to(self.device),
-            torch.from_numpy(bias).to(self.device)[:, None, None, :],
-        )

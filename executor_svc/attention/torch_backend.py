@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from executor_svc.attention.layout import BatchLayout
+
+# A decode group grows while its longest context stays within this factor of its shortest (plus a
+# block): padding every row to the group's longest context wastes at most this much attention work.
+DECODE_GROUP_PAD_FACTOR = 1.25
 
 
 @dataclass(slots=True)
@@ -64,6 +71,29 @@ class TorchPagedAttention:
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
+        segments, start = [], 0
+        for i in range(layout.num_prefills):
+            n, context_len = layout.query_lens[i], layout.context_lens[i]
+            block_ids = None
+            if context_len > n:
+                num_blocks = -(-context_len // layout.block_size)
+                block_ids = torch.as_tensor(layout.block_tables[i][:num_blocks], device=device)
+            bias = causal_bias(n, context_len).to(device)
+            segments.append(PrefillSegment(start, start + n, context_len, block_ids, bias))
+            start += n
+
+        groups, first = [], layout.num_prefills
+        num_seqs = len(layout.query_lens)
+        while first < num_seqs:
+            end = first + 1
+            limit = layout.context_lens[first] * DECODE_GROUP_PAD_FACTOR + layout.block_size
+            while end < num_seqs and layout.context_lens[end] <= limit:
+                end += 1
+            groups.append(_decode_group(layout, first, end, start + first - layout.num_prefills, device))
+            first = end
+        return AttentionMetadata(layout.slot_mapping, segments, start, groups)
 
     def forward(
         self,
@@ -120,6 +150,20 @@ class TorchPagedAttention:
         probs = probs.view(rows, kvh, g, max_blocks, block_size).permute(0, 3, 1, 2, 4)
         out = torch.matmul(probs, values).sum(1)  # [rows, KVH, G, D]
         return out.reshape(rows, self.num_heads, d)
+
+
+def _decode_group(layout: BatchLayout, first: int, end: int, row_start: int, device) -> DecodeGroup:
+    context_lens = np.asarray(layout.context_lens[first:end], dtype=np.int64)
+    max_blocks = int(-(-context_lens.max() // layout.block_size))
+    tables = np.zeros((end - first, max_blocks), dtype=np.int64)
+    for row, table in enumerate(layout.block_tables[first:end]):
+        held = table[:max_blocks]
+        tables[row, : len(held)] = held
+    key_positions = np.arange(max_blocks * layout.block_size)
+    bias = np.where(key_positions[None, :] < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
+    return DecodeGroup(
+        row_start, torch.from_numpy(tables).to(device), torch.from_numpy(bias).to(device)[:, None, None, :]
+    )
 
 
 def write_cache(key_cache, value_cache, key, value, slot_mapping) -> None:

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc.attention.torch_backend import AttentionMetadata
 from executor_svc.model_config import ModelConfig
 
 
@@ -63,7 +62,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.backend = attention_backend
 
-    def forward(self, hidden, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = _apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
@@ -117,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta,  # the attention backend's metadata for this step
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
