@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-all bench-throughput clean
+.PHONY: setup run test test-all proto bench-throughput clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: $(STAMP)
-	$(VENV)/bin/pagedserve generate --chat --temperature 0 --max-tokens 64 "What is the capital of France?"
+	$(VENV)/bin/pagedserve up
+
+# Regenerates the gRPC stubs in pagedserve/v1 from proto/ (a test fails when they are stale).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/pagedserve/v1/*.proto
 
 test: $(STAMP)
 	$(PY) -m pytest -q

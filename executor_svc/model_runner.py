@@ -71,6 +71,10 @@ class ModelRunner:
         )
         self.num_blocks = num_blocks_for_budget(self.config, self.dtype, block_size, budget)
         self.kv_caches = allocate_kv_caches(self.config, self.num_blocks, block_size, self.dtype, self.device)
+        # A request alone must always fit in the pool, or preemption could never make room for it.
+        self.max_model_len = min(self.config.max_model_len, self.num_blocks * block_size)
+        if self.max_model_len < self.config.max_model_len:
+            logger.warning("KV cache holds %d tokens; capping the context length at that", self.max_model_len)
         logger.info(
             "model %s (%s, %s) on %s; KV cache %d blocks x %d tokens (%.1f MiB)",
             self.model_dir, self.config.model_type, dtype, self.device, self.num_blocks, block_size,

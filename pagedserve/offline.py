@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +20,6 @@ from pagedserve.step import SampledToken
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
-logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 
@@ -64,13 +62,7 @@ class LLM:
             (self.runner.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")
         )
         self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir) if has_tokenizer else None
-        config = self.runner.config
-        context_len = config.max_model_len
-        kv_capacity = self.runner.num_blocks * block_size
-        if kv_capacity < context_len:
-            # A request alone must always fit, or preemption could never make room for it.
-            logger.warning("KV cache holds %d tokens; capping the context length at that", kv_capacity)
-            context_len = kv_capacity
+        context_len = self.runner.max_model_len
         self.block_manager = KVCacheManager(self.runner.num_blocks, block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -1,0 +1,36 @@
+"""The executor service: one batched Execute call per engine step."""
+from __future__ import annotations
+
+import threading
+
+from executor_svc.model_runner import ModelRunner
+from pagedserve.convert import execute_result_to_proto, execute_step_from_proto
+from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+        self.runner = runner
+        self.model_name = model_name
+        self.lock = threading.Lock()  # the runner's request state is driven by one step at a time
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    def Execute(self, request, context):
+        step = execute_step_from_proto(request)
+        with self.lock:
+            result = self.runner.execute(step)
+            self.num_prefill_tokens += result.num_prefill_tokens
+            self.num_decode_tokens += result.num_decode_tokens
+        return execute_result_to_proto(result)
+
+    def GetInfo(self, request, context):
+        runner = self.runner
+        return executor_pb2.ExecutorInfo(
+            model=self.model_name, model_dir=str(runner.model_dir), num_blocks=runner.num_blocks,
+            block_size=runner.block_size, max_model_len=runner.max_model_len,
+            vocab_size=runner.config.vocab_size, eos_token_ids=list(runner.eos_token_ids),
+            attention_backend=type(runner.attention).__name__, device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            num_prefill_tokens=self.num_prefill_tokens, num_decode_tokens=self.num_decode_tokens,
+        )

@@ -1,0 +1,1 @@
+"""The public API: gRPC streaming Generate, tokenizer, incremental detokenizer, stop strings, validation."""

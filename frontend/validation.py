@@ -1,0 +1,175 @@
+"""Checking a Generate request and turning its prompt into token ids, before it reaches the back end.
+
+Every rejection is a ``ValidationError`` naming the request field at fault, so the gRPC layer can
+answer INVALID_ARGUMENT with a message the caller can act on.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from pagedserve.sampling_params import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID_LEN = 256
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+class ValidationError(ValueError):
+    def __init__(self, field: str, message: str):
+        # SamplingParams's messages already start with the field name; don't say it twice.
+        super().__init__(message if message.startswith(field) else f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class GenerateInput:
+    request_id: str
+    # Exactly one of these three: plain text, token ids, or chat messages ({"role", "content"}).
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    # Sampling and stopping, with SamplingParams's defaults; max_tokens None: up to the context.
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    # Handled by the frontend itself (detokenizer, stop strings, prefix cache), not SamplingParams.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+
+
+def validate_and_tokenize(
+    inp: GenerateInput,
+    tokenizer: Any,
+    max_model_len: int,
+    vocab_size: int,
+    add_special_tokens: bool = False,
+) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids and the request's SamplingParams, or a ValidationError.
+
+    ``add_special_tokens`` applies to plain-text prompts; a chat template adds its own markers.
+    """
+    _check_request_id(inp.request_id)
+    _check_frontend_fields(inp)
+    # Cheap checks first: a bad temperature should not cost a chat template and a tokenization.
+    params = _sampling_params(inp, vocab_size)
+    prompt_ids = _prompt_token_ids(inp, tokenizer, vocab_size, add_special_tokens)
+    if len(prompt_ids) >= max_model_len:
+        raise ValidationError(
+            "prompt", f"prompt is {len(prompt_ids)} tokens, the context holds {max_model_len} "
+            "and generation needs at least one more",
+        )
+    if params.max_tokens is not None and len(prompt_ids) + params.max_tokens > max_model_len:
+        # Rejected rather than silently shortened, as vLLM does.
+        raise ValidationError(
+            "max_tokens", f"max_tokens ({params.max_tokens}) plus the prompt's {len(prompt_ids)} "
+            f"tokens exceeds the context length ({max_model_len})",
+        )
+    return prompt_ids, params
+
+
+def _check_request_id(request_id: object) -> None:
+    if not isinstance(request_id, str) or not request_id:
+        raise ValidationError("request_id", "request_id must be a non-empty string")
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise ValidationError(
+            "request_id", f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, "
+            f"got {len(request_id)}",
+        )
+
+
+def _check_frontend_fields(inp: GenerateInput) -> None:
+    if not isinstance(inp.stop, list) or not all(isinstance(s, str) for s in inp.stop):
+        raise ValidationError("stop", "stop must be a list of strings")
+    if len(inp.stop) > MAX_STOP_STRINGS:
+        raise ValidationError("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(inp.stop)}")
+    if any(not s for s in inp.stop):
+        raise ValidationError("stop", "stop strings must not be empty")
+    if not isinstance(inp.stop_token_ids, list):
+        raise ValidationError("stop_token_ids", "stop_token_ids must be a list of token ids")
+    for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        if not isinstance(getattr(inp, name), bool):
+            raise ValidationError(name, f"{name} must be a bool")
+    if inp.cache_salt is not None and (not isinstance(inp.cache_salt, str) or not inp.cache_salt):
+        raise ValidationError("cache_salt", "cache_salt must be a non-empty string when set")
+
+
+_LEADING_FIELD = re.compile(r"[a-z_]+")
+_INPUT_FIELDS = frozenset(f.name for f in fields(GenerateInput))
+
+
+def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
+    try:
+        params = SamplingParams(
+            temperature=inp.temperature, top_p=inp.top_p, top_k=inp.top_k, min_p=inp.min_p,
+            seed=inp.seed, max_tokens=inp.max_tokens, min_tokens=inp.min_tokens,
+            stop_token_ids=inp.stop_token_ids, ignore_eos=inp.ignore_eos, logprobs=inp.logprobs,
+        )
+    except ValueError as e:
+        # SamplingParams's messages start with the field name.
+        match = _LEADING_FIELD.match(str(e))
+        name = match.group() if match and match.group() in _INPUT_FIELDS else "sampling_params"
+        raise ValidationError(name, str(e)) from None
+    for token_id in params.stop_token_ids:
+        if token_id >= vocab_size:
+            raise ValidationError(
+                "stop_token_ids", f"stop_token_ids must be below the vocabulary size ({vocab_size}), got {token_id}"
+            )
+    return params
+
+
+def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_special_tokens: bool) -> list[int]:
+    given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(inp, name) is not None]
+    if len(given) != 1:
+        raise ValidationError(
+            "prompt", "exactly one of prompt, prompt_token_ids and messages must be set, got "
+            + (", ".join(given) if given else "none"),
+        )
+    if inp.prompt is not None:
+        if not isinstance(inp.prompt, str) or not inp.prompt:
+            raise ValidationError("prompt", "prompt must be a non-empty string")
+        ids = list(tokenizer.encode(inp.prompt, add_special_tokens=add_special_tokens))
+    elif inp.prompt_token_ids is not None:
+        ids = inp.prompt_token_ids
+        if not isinstance(ids, list) or not ids:
+            raise ValidationError("prompt_token_ids", "prompt_token_ids must be a non-empty list")
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+                raise ValidationError(
+                    "prompt_token_ids", f"prompt_token_ids must be integers in [0, {vocab_size}), got {token_id!r}"
+                )
+        ids = list(ids)
+    else:
+        _check_messages(inp.messages)
+        try:
+            text = tokenizer.apply_chat_template(inp.messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # templates raise what they like (jinja errors) for conversations they reject
+            raise ValidationError("messages", f"messages rejected by the chat template: {e}") from None
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise ValidationError("prompt", "prompt tokenizes to no tokens")
+    return ids
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("messages", "messages must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValidationError("messages", f"messages[{i}] must be a dict with role and content")
+        if message.get("role") not in CHAT_ROLES:
+            raise ValidationError(
+                "messages", f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.get('role')!r}"
+            )
+        if not isinstance(message.get("content"), str):
+            raise ValidationError("messages", f"messages[{i}].content must be a string")

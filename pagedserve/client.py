@@ -1,0 +1,71 @@
+"""A small client of the public Generate API."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pagedserve.convert import FINISH_REASON_NAMES
+from pagedserve.service import channel
+from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+SAMPLING_FIELDS = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
+
+
+@dataclass
+class Completion:
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+
+
+def build_request(prompt=None, *, prompt_token_ids=None, messages=None, request_id: str = "",
+                  cache_salt: str = "", **sampling) -> generate_pb2.GenerateRequest:
+    unknown = set(sampling) - SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling fields: {sorted(unknown)}")
+    request = generate_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt)
+    if prompt is not None:
+        request.prompt = prompt
+    if prompt_token_ids is not None:
+        request.prompt_token_ids.ids[:] = prompt_token_ids
+    if messages is not None:
+        request.messages.messages.extend(generate_pb2.ChatMessage(**m) for m in messages)
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            getattr(request.sampling, name)[:] = value
+        else:
+            setattr(request.sampling, name, value)
+    return request
+
+
+class GenerateClient:
+    def __init__(self, address: str) -> None:
+        self.channel = channel(address)
+        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+
+    def stream(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[generate_pb2.GenerateResponse]:
+        return self.stub.Generate(request, timeout=timeout)
+
+    def generate(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> Completion:
+        completion = Completion()
+        for response in self.stream(request, timeout=timeout):
+            completion.request_id = response.request_id
+            completion.token_ids.extend(response.token_ids)
+            completion.text += response.text
+            if response.finish_reason:
+                completion.finish_reason = FINISH_REASON_NAMES[response.finish_reason]
+                completion.prompt_tokens = response.usage.prompt_tokens
+        return completion
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "GenerateClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

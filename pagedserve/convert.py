@@ -1,0 +1,194 @@
+"""Conversions between the step messages of ``pagedserve.step`` and their protobuf forms.
+
+Only servers and clients call these; the cores below them see plain Python objects.
+"""
+from __future__ import annotations
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import (
+    BlockRequest,
+    BlockStepRequest,
+    BlockStepResult,
+    ExecuteRequest,
+    ExecuteResult,
+    ExecuteStep,
+    RequestOutput,
+    SampledToken,
+)
+from pagedserve.v1 import common_pb2, executor_pb2, kvcache_pb2, scheduler_pb2
+
+FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
+
+
+# --------------------------------------------------------------------------- sampling parameters
+
+
+def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
+    out = common_pb2.SamplingParams() if out is None else out
+    out.temperature = params.temperature
+    out.top_p = params.top_p
+    out.top_k = params.top_k
+    out.min_p = params.min_p
+    if params.seed is not None:
+        out.seed = params.seed
+    if params.max_tokens is not None:
+        out.max_tokens = params.max_tokens
+    out.min_tokens = params.min_tokens
+    out.stop_token_ids[:] = params.stop_token_ids
+    out.ignore_eos = params.ignore_eos
+    if params.logprobs is not None:
+        out.logprobs = params.logprobs
+    return out
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: int | None = 16) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults; raises ValueError naming a bad field."""
+    fields = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+        if message.HasField(name):
+            fields[name] = getattr(message, name)
+    fields["max_tokens"] = message.max_tokens if message.HasField("max_tokens") else default_max_tokens
+    return SamplingParams(
+        **fields,
+        min_tokens=message.min_tokens,
+        stop_token_ids=list(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+    )
+
+
+def token_to_proto(token: SampledToken, out: common_pb2.TokenLogprob) -> common_pb2.TokenLogprob:
+    out.token_id = token.token_id
+    if token.logprob is not None:
+        out.logprob = token.logprob
+        out.top_token_ids[:] = token.top_token_ids or []
+        out.top_logprobs[:] = token.top_logprobs or []
+    return out
+
+
+def token_from_proto(message: common_pb2.TokenLogprob) -> SampledToken:
+    if not message.HasField("logprob"):
+        return SampledToken(message.token_id)
+    return SampledToken(
+        message.token_id, message.logprob, list(message.top_token_ids), list(message.top_logprobs)
+    )
+
+
+# --------------------------------------------------------------------------- scheduler <-> block manager
+
+
+def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockStepRequest:
+    out = kvcache_pb2.BlockStepRequest(free_request_ids=request.free_request_ids)
+    for r in request.requests:
+        item = out.requests.add(request_id=r.request_id, num_tokens=r.num_tokens)
+        if r.prompt_token_ids is not None:
+            item.admitted = True
+            item.prompt_token_ids[:] = r.prompt_token_ids
+            item.cache_salt = r.cache_salt or ""
+    return out
+
+
+def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> BlockStepRequest:
+    return BlockStepRequest(
+        free_request_ids=list(message.free_request_ids),
+        requests=[
+            BlockRequest(
+                r.request_id, r.num_tokens,
+                prompt_token_ids=list(r.prompt_token_ids) if r.admitted else None,
+                cache_salt=(r.cache_salt or None) if r.admitted else None,
+            )
+            for r in message.requests
+        ],
+    )
+
+
+def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStepResult:
+    out = kvcache_pb2.BlockStepResult(
+        failed_request_ids=result.failed_request_ids, num_free_blocks=result.num_free_blocks
+    )
+    for request_id, block_ids in result.new_block_ids.items():
+        delta = out.deltas[request_id]
+        delta.block_ids[:] = block_ids
+        delta.num_cached_tokens = result.num_cached_tokens.get(request_id, 0)
+    return out
+
+
+def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockStepResult:
+    return BlockStepResult(
+        new_block_ids={rid: list(d.block_ids) for rid, d in message.deltas.items()},
+        num_cached_tokens={rid: d.num_cached_tokens for rid, d in message.deltas.items()},
+        failed_request_ids=list(message.failed_request_ids),
+        num_free_blocks=message.num_free_blocks,
+    )
+
+
+# --------------------------------------------------------------------------- scheduler <-> executor
+
+
+def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
+    out = executor_pb2.ExecuteStep(finished_request_ids=step.finished_request_ids)
+    for r in step.requests:
+        item = out.requests.add(
+            request_id=r.request_id, token_ids=r.token_ids, start_position=r.start_position,
+            new_block_ids=r.new_block_ids, sample=r.sample,
+        )
+        if r.sampling_params is not None:
+            sampling_to_proto(r.sampling_params, item.sampling)
+            item.prompt_len = r.prompt_len
+    return out
+
+
+def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> ExecuteStep:
+    return ExecuteStep(
+        requests=[
+            ExecuteRequest(
+                request_id=r.request_id,
+                token_ids=list(r.token_ids),
+                start_position=r.start_position,
+                new_block_ids=list(r.new_block_ids),
+                sample=r.sample,
+                sampling_params=sampling_from_proto(r.sampling, None) if r.HasField("sampling") else None,
+                prompt_len=r.prompt_len,
+            )
+            for r in message.requests
+        ],
+        finished_request_ids=list(message.finished_request_ids),
+    )
+
+
+def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult:
+    out = executor_pb2.ExecuteResult(
+        num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens
+    )
+    for request_id, token in result.sampled.items():
+        token_to_proto(token, out.sampled[request_id])
+    return out
+
+
+def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteResult:
+    return ExecuteResult(
+        sampled={rid: token_from_proto(t) for rid, t in message.sampled.items()},
+        num_prefill_tokens=message.num_prefill_tokens,
+        num_decode_tokens=message.num_decode_tokens,
+    )
+
+
+# --------------------------------------------------------------------------- scheduler -> frontend
+
+
+def request_output_to_proto(output: RequestOutput, out: scheduler_pb2.RequestOutput) -> scheduler_pb2.RequestOutput:
+    out.request_id = output.request_id
+    out.new_token_ids[:] = output.new_token_ids
+    for token in output.new_logprobs or []:
+        token_to_proto(token, out.logprobs.add())
+    out.finish_reason = FINISH_REASONS[output.finish_reason]
+    out.num_prompt_tokens = output.num_prompt_tokens
+    out.num_output_tokens = output.num_output_tokens
+    out.error = output.error or ""
+    return out

@@ -1,0 +1,77 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockRequest(_message.Message):
+    __slots__ = ("request_id", "num_tokens", "prompt_token_ids", "admitted", "cache_salt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    admitted: bool
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., admitted: bool = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class BlockStepRequest(_message.Message):
+    __slots__ = ("free_request_ids", "requests")
+    FREE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    free_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    requests: _containers.RepeatedCompositeFieldContainer[BlockRequest]
+    def __init__(self, free_request_ids: _Optional[_Iterable[str]] = ..., requests: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
+
+class BlockDelta(_message.Message):
+    __slots__ = ("block_ids", "num_cached_tokens")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class BlockStepResult(_message.Message):
+    __slots__ = ("deltas", "failed_request_ids", "num_free_blocks")
+    class DeltasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: BlockDelta
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[BlockDelta, _Mapping]] = ...) -> None: ...
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.MessageMap[str, BlockDelta]
+    failed_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_free_blocks: int
+    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class KVCacheStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVCacheStats(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEP_CALLS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_in_use: int
+    num_cached_evictable: int
+    num_requests: int
+    usage: float
+    num_step_calls: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ...) -> None: ...

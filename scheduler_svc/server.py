@@ -1,0 +1,147 @@
+"""The scheduler service: frontends stream requests in, one batched update per step streams back out.
+
+Each engine step makes exactly one Step call to the KV-cache service and one Execute call to the
+executor, whatever the batch size.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from pagedserve.convert import (
+    block_step_request_to_proto,
+    block_step_result_from_proto,
+    execute_result_from_proto,
+    execute_step_to_proto,
+    request_output_to_proto,
+    sampling_from_proto,
+)
+from pagedserve.step import BlockStepRequest, BlockStepResult, ExecuteResult, ExecuteStep, RequestOutput
+from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.request import Request
+from scheduler_svc.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 600.0  # a step on a CPU with a long prefill can take a while; a hung peer must not hang us forever
+
+
+class RemoteBackends:
+    """The two per-step calls, counted."""
+
+    def __init__(self, kvcache_stub, executor_stub) -> None:
+        self.kvcache_stub = kvcache_stub
+        self.executor_stub = executor_stub
+        self.kv_rpcs = 0
+        self.executor_rpcs = 0
+
+    def allocate_blocks(self, request: BlockStepRequest) -> BlockStepResult:
+        self.kv_rpcs += 1
+        return block_step_result_from_proto(self.kvcache_stub.Step(block_step_request_to_proto(request), timeout=RPC_TIMEOUT_S))
+
+    def execute(self, step: ExecuteStep) -> ExecuteResult:
+        self.executor_rpcs += 1
+        return execute_result_from_proto(self.executor_stub.Execute(execute_step_to_proto(step), timeout=RPC_TIMEOUT_S))
+
+
+class _Connection:
+    """One frontend's stream: its outgoing updates and the requests it owns."""
+
+    def __init__(self) -> None:
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.request_ids: set[str] = set()
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, scheduler: Scheduler, backends: RemoteBackends, eos_token_ids: tuple[int, ...],
+                 info: scheduler_pb2.SchedulerInfo) -> None:
+        self.scheduler = scheduler
+        self.backends = backends
+        self.eos_token_ids = eos_token_ids
+        self.info = info
+        self.owners: dict[str, _Connection] = {}
+        self.owners_lock = threading.Lock()
+        self.loop = EngineLoop(scheduler, backends.execute, self._publish)
+
+    def Connect(self, request_iterator, context):
+        connection = _Connection()
+        reader = threading.Thread(target=self._read, args=(request_iterator, connection), daemon=True)
+        reader.start()
+        while True:
+            update = connection.outbox.get()
+            if update is None:
+                return
+            yield update
+
+    def _read(self, request_iterator, connection: _Connection) -> None:
+        try:
+            for message in request_iterator:
+                if message.HasField("add"):
+                    self._add(message.add, connection)
+                else:
+                    self.loop.abort(message.abort.request_id)
+        except Exception as error:  # the frontend went away: its stream ends with an error or cancel
+            logger.info("frontend stream closed: %s", error)
+        finally:
+            # A frontend that leaves takes its requests with it: nobody is left to read their tokens.
+            with self.owners_lock:
+                orphans = list(connection.request_ids)
+            for request_id in orphans:
+                self.loop.abort(request_id)
+            connection.outbox.put(None)
+
+    def _add(self, add: scheduler_pb2.AddRequest, connection: _Connection) -> None:
+        try:
+            params = sampling_from_proto(add.sampling, default_max_tokens=None)
+            request = Request(
+                add.request_id, list(add.prompt_token_ids), params, self.eos_token_ids,
+                self.scheduler.config.max_model_len, cache_salt=add.cache_salt or None,
+            )
+        except ValueError as error:
+            self._send(connection, [RequestOutput(add.request_id, [], finish_reason="error", error=str(error))])
+            return
+        with self.owners_lock:
+            if add.request_id in self.owners:
+                duplicate = True
+            else:
+                duplicate = False
+                self.owners[add.request_id] = connection
+                connection.request_ids.add(add.request_id)
+        if duplicate:
+            self._send(connection, [RequestOutput(add.request_id, [], finish_reason="error",
+                                                  error=f"request_id {add.request_id!r} is already in use")])
+            return
+        self.loop.add(request)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        by_connection: dict[int, tuple[_Connection, list[RequestOutput]]] = {}
+        with self.owners_lock:
+            for output in outputs:
+                connection = self.owners.get(output.request_id)
+                if connection is None:
+                    continue
+                if output.finished:
+                    del self.owners[output.request_id]
+                    connection.request_ids.discard(output.request_id)
+                by_connection.setdefault(id(connection), (connection, []))[1].append(output)
+        for connection, items in by_connection.values():
+            self._send(connection, items)
+
+    @staticmethod
+    def _send(connection: _Connection, outputs: list[RequestOutput]) -> None:
+        update = scheduler_pb2.SchedulerUpdate()
+        for output in outputs:
+            request_output_to_proto(output, update.outputs.add())
+        connection.outbox.put(update)
+
+    def GetStats(self, request, context):
+        return scheduler_pb2.SchedulerStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_steps=self.loop.num_steps, num_preemptions=self.scheduler.num_preemptions,
+            kv_rpcs=self.backends.kv_rpcs, executor_rpcs=self.backends.executor_rpcs,
+        )
+
+    def GetInfo(self, request, context):
+        return self.info
