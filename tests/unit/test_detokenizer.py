@@ -123,6 +123,13 @@ def test_finish_flushes_an_incomplete_trailing_character(tok):
     assert detok.finish() == ""
 
 
+def test_prompt_ending_mid_character(tok):
+    # Only token-id prompts can do this; the output's stray continuation byte decodes as on its own.
+    ids = tok.encode("ok 世", add_special_tokens=False)
+    out = ids[-1:] + tok.encode(" then", add_special_tokens=False)
+    assert "".join(stream(tok, ids[:-1], out)) == tok.decode(out)
+
+
 class CountingTokenizer:
     """Records how many ids each decode call gets, to show the per-step cost does not grow."""
 

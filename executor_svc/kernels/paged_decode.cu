@@ -1,0 +1,260 @@
+// Paged decode attention: one query token per sequence over its whole context, through the block table.
+//
+// Layouts (elements; T is bf16 or fp16):
+//   query        rows of [num_heads * D], row stride q_stride; decode row r is query row q_row_start + r
+//   key_cache    [num_blocks, num_kv_heads, block_size, D] (HND), value_cache the same
+//   block_tables [num_rows, table_stride] int32, this launch's rows only; context_lens [num_rows] int32
+//   out          [num_tokens, num_heads * D], contiguous
+// Position p of a sequence lives in block table[p >> block_size_log2] at offset p & (block_size - 1):
+//   element (p, kv_head, d) = cache[((block * num_kv_heads + kv_head) * block_size + offset) * D + d].
+//
+// Grid: x = decode row, y = kv_head * head_groups + head_group, z = partition of the context.
+// One CTA (4 warps) serves up to 16 query heads of one KV head (GQA: the G = num_heads / num_kv_heads
+// heads sharing the KV head, padded to the 16 rows of an mma tile; G > 16 takes ceil(G / 16) head groups)
+// over the context slice [z * partition_size, min(context_len, (z + 1) * partition_size)), so each K/V
+// byte of the slice is read once per head group. Tiles of 64 keys are copied into shared memory with
+// cp.async, two stages deep; warp w scores keys 16w..16w+15 of each tile against all 16 rows with
+// mma.sync and keeps its own online softmax; the 4 warps' states are merged at the end.
+// Keys at or past the context length are never read: their tile rows are zero-filled and their scores
+// masked to -inf, so the tail of the last block (whatever it holds, NaN included) cannot leak in.
+//
+// With num_partitions == 1 the CTA writes the normalised output. Otherwise it writes its partition's
+// normalised output O_z (float32) and (m_z, l_z) = (running max in log2 units, denominator) to the
+// workspace, and paged_decode_reduce merges the partitions:
+//   out = sum_z w_z O_z / sum_z w_z,  w_z = l_z * exp2(m_z - max_z m_z)
+// (the exp(m_j - m) rescaling of split-K softmax, in base 2).
+#include "common.cuh"
+
+constexpr int DECODE_WARPS = 4;
+constexpr int DECODE_THREADS = 32 * DECODE_WARPS;
+constexpr int DECODE_TILE = 16 * DECODE_WARPS;  // keys per shared-memory tile: 16 per warp
+constexpr int DECODE_ROWS = 16;                 // query heads per CTA: the M of one mma tile
+
+// Dynamic shared memory in bytes (the host computes the same in cupy_backend.decode_smem_bytes):
+//   sQ [16][D + PAD], then 2 stages x (sK [64][D + PAD], sV [64][D + PAD]), all of T.
+// The final merge reuses the K/V stages as float sO [4][16][D] followed by sM [4][16] and sL [4][16].
+template <int D> constexpr int decode_smem_bytes() {
+  return (DECODE_ROWS + 2 * 2 * DECODE_TILE) * (D + PS_SMEM_PAD) * 2;
+}
+
+template <typename T, int D>
+PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
+                            const T* __restrict__ query, const T* __restrict__ key_cache,
+                            const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+                            const int* __restrict__ context_lens, int num_heads, int num_kv_heads,
+                            int block_size_log2, int table_stride, i64 q_stride, int q_row_start,
+                            int partition_size, int num_partitions, float scale_log2) {
+  constexpr int LD = D + PS_SMEM_PAD;     // shared-memory row stride, elements
+  constexpr int VECS = D / 8;             // 16-byte vectors per head row
+  static_assert(sizeof(T) == 2, "tensor-core path: 16-bit elements");
+  static_assert(2 * 2 * DECODE_TILE * LD * 2 >= DECODE_WARPS * DECODE_ROWS * (D + 2) * 4,
+                "the merge buffers fit in the K/V stages");
+  require_smem(decode_smem_bytes<D>());
+
+  const int row = blockIdx.x;
+  const int group = num_heads / num_kv_heads;
+  const int head_groups = (group + DECODE_ROWS - 1) / DECODE_ROWS;
+  const int kv_head = blockIdx.y / head_groups;
+  const int head0 = (blockIdx.y % head_groups) * DECODE_ROWS;  // first query head of the group served
+  const int rows_here = min(DECODE_ROWS, group - head0);        // real rows of the 16
+  const int partition = blockIdx.z;
+
+  const int context_len = context_lens[row];
+  const int part_start = partition * partition_size;
+  if (part_start >= context_len) return;  // past this row's context (only with split-K); the reduce skips it
+  const int part_end = min(context_len, part_start + partition_size);
+  const int* table = block_tables + static_cast<i64>(row) * table_stride;
+  const int block_mask = (1 << block_size_log2) - 1;
+
+  T* sq = reinterpret_cast<T*>(dynamic_smem());
+  T* sk = sq + DECODE_ROWS * LD;                  // stage s: sk + s * DECODE_TILE * LD
+  T* sv = sk + 2 * DECODE_TILE * LD;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+
+  // Issue the copies of one tile of keys [tile_start, tile_start + 64) into `stage`. Vector c of the tile
+  // is key c / VECS, columns (c % VECS) * 8..+7: consecutive threads take consecutive 16-byte pieces of a
+  // head row, and rows of one block are contiguous, so the reads coalesce.
+  auto load_tile = [&](int stage, int tile_start) {
+    T* k_dst = sk + stage * DECODE_TILE * LD;
+    T* v_dst = sv + stage * DECODE_TILE * LD;
+#pragma unroll
+    for (int i = 0; i < DECODE_TILE * VECS / DECODE_THREADS; ++i) {
+      const int c = tid + i * DECODE_THREADS;
+      const int key = c / VECS, col = (c % VECS) * 8;
+      const int pos = tile_start + key;
+      if (pos < part_end) {
+        const int block = table[pos >> block_size_log2];
+        const i64 src = ((static_cast<i64>(block) * num_kv_heads + kv_head) << block_size_log2 | (pos & block_mask)) * D + col;
+        cp_async_16(k_dst + key * LD + col, key_cache + src);
+        cp_async_16(v_dst + key * LD + col, value_cache + src);
+      } else {
+        store_zero_16(k_dst + key * LD + col);
+        store_zero_16(v_dst + key * LD + col);
+      }
+    }
+  };
+
+  const int num_tiles = (part_end - part_start + DECODE_TILE - 1) / DECODE_TILE;
+  load_tile(0, part_start);
+  cp_async_commit();
+
+  // The served query heads as 16 rows of sQ (rows past the group are zeros: their scores are finite and
+  // never written out).
+  const T* q_row = query + static_cast<i64>(q_row_start + row) * q_stride + static_cast<i64>(kv_head * group + head0) * D;
+  for (int c = tid; c < DECODE_ROWS * VECS; c += DECODE_THREADS) {
+    const int r = c / VECS, col = (c % VECS) * 8;
+    if (r < rows_here) {
+      PS_CHECK_GLOBAL(q_row + r * D + col, 16);
+      *reinterpret_cast<uint4*>(sq + r * LD + col) = *reinterpret_cast<const uint4*>(q_row + r * D + col);
+    } else {
+      store_zero_16(sq + r * LD + col);
+    }
+  }
+  __syncthreads();
+  u32 qf[D / 16][4];
+  load_q_frags<D>(qf, sq, LD);
+
+  float m[2] = {PS_NEG_INF, PS_NEG_INF};
+  float l[2] = {0.0f, 0.0f};
+  float acc[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+
+  for (int it = 0; it < num_tiles; ++it) {
+    if (it + 1 < num_tiles) {
+      load_tile((it + 1) & 1, part_start + (it + 1) * DECODE_TILE);
+      cp_async_commit();
+      cp_async_wait<1>();  // tile `it` has landed (for this thread's copies) ...
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();       // ... and for everyone's, zero-fills included
+
+    const int stage = it & 1;
+    const int warp_key0 = warp * 16;  // this warp's 16 keys of the tile
+    float s[2][4];
+    warp_qk<T, D, 2>(s, qf, sk + (stage * DECODE_TILE + warp_key0) * LD, LD);
+
+    // Scale into log2 units; mask keys at or past the slice end. Element (n, i) is key 8n + 2t + (i & 1).
+    const int key_base = part_start + it * DECODE_TILE + warp_key0 + 2 * (lane & 3);
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        s[n][i] = (key_base + 8 * n + (i & 1) < part_end) ? s[n][i] * scale_log2 : PS_NEG_INF;
+
+    online_softmax<D, 2>(s, m, l, acc);
+    warp_pv<T, D, 2>(acc, s, sv + (stage * DECODE_TILE + warp_key0) * LD, LD);
+    __syncthreads();       // the stage is free for the copies issued next iteration
+  }
+
+  // Merge the 4 warps. Each quad first sums its denominator shares; lane (g, t) then stores rows g, g + 8.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += shfl_xor(l[h], 1);
+    l[h] += shfl_xor(l[h], 2);
+  }
+  float* so = reinterpret_cast<float*>(sk);       // [4][16][D]
+  float* sm = so + DECODE_WARPS * DECODE_ROWS * D;  // [4][16]
+  float* sl = sm + DECODE_WARPS * DECODE_ROWS;      // [4][16]
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    if (t == 0) {
+      sm[warp * DECODE_ROWS + r] = m[h];
+      sl[warp * DECODE_ROWS + r] = l[h];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      so[(warp * DECODE_ROWS + r) * D + 8 * n + 2 * t] = acc[n][2 * h];
+      so[(warp * DECODE_ROWS + r) * D + 8 * n + 2 * t + 1] = acc[n][2 * h + 1];
+    }
+  }
+  __syncthreads();
+
+  for (int idx = tid; idx < rows_here * D; idx += DECODE_THREADS) {
+    const int r = idx / D, col = idx % D;
+    float m_all = PS_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) m_all = fmaxf(m_all, sm[w * DECODE_ROWS + r]);
+    const float base = (m_all == PS_NEG_INF) ? 0.0f : m_all;
+    float num = 0.0f, den = 0.0f;
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) {
+      const float f = fast_exp2(sm[w * DECODE_ROWS + r] - base);  // 0 for a warp that saw no key
+      num += so[(w * DECODE_ROWS + r) * D + col] * f;
+      den += sl[w * DECODE_ROWS + r] * f;
+    }
+    const float o = den > 0.0f ? num / den : 0.0f;  // den >= 1: the slice holds at least one key
+    const int head = kv_head * group + head0 + r;
+    if (num_partitions == 1) {
+      T* dst = out + static_cast<i64>(q_row_start + row) * num_heads * D + static_cast<i64>(head) * D + col;
+      PS_CHECK_GLOBAL(dst, sizeof(T));
+      Elem<T>::store(dst, o);
+    } else {
+      const i64 part = (static_cast<i64>(row) * num_heads + head) * num_partitions + partition;
+      PS_CHECK_GLOBAL(part_out + part * D + col, 4);
+      part_out[part * D + col] = o;
+      if (col == 0) {
+        PS_CHECK_GLOBAL(part_ml + part * 2, 8);
+        part_ml[part * 2] = m_all;
+        part_ml[part * 2 + 1] = den;
+      }
+    }
+  }
+}
+
+// Merges the split-K partitions of each (decode row, query head). Grid: (num_rows, num_heads); block:
+// head_dim threads, one output element each. Partitions past the row's context were never written and
+// are not read.
+template <typename T>
+PS_DEVICE void paged_decode_reduce(T* __restrict__ out, const float* __restrict__ part_out,
+                                   const float* __restrict__ part_ml, const int* __restrict__ context_lens,
+                                   int num_heads, int head_dim, int q_row_start, int partition_size,
+                                   int num_partitions) {
+  const int row = blockIdx.x, head = blockIdx.y, col = threadIdx.x;
+  const int used = min(num_partitions, (context_lens[row] + partition_size - 1) / partition_size);
+  const i64 base = (static_cast<i64>(row) * num_heads + head) * num_partitions;
+  float m_all = PS_NEG_INF;
+  for (int z = 0; z < used; ++z) m_all = fmaxf(m_all, part_ml[(base + z) * 2]);
+  float num = 0.0f, den = 0.0f;
+  for (int z = 0; z < used; ++z) {
+    const float w = part_ml[(base + z) * 2 + 1] * fast_exp2(part_ml[(base + z) * 2] - m_all);
+    PS_CHECK_GLOBAL(part_out + (base + z) * head_dim + col, 4);
+    num += w * part_out[(base + z) * head_dim + col];
+    den += w;
+  }
+  T* dst = out + static_cast<i64>(q_row_start + row) * num_heads * head_dim + static_cast<i64>(head) * head_dim + col;
+  PS_CHECK_GLOBAL(dst, sizeof(T));
+  Elem<T>::store(dst, den > 0.0f ? num / den : 0.0f);
+}
+
+#define PS_DECODE(NAME, T, D)                                                                               \
+  extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                                              \
+      NAME(T* out, float* part_out, float* part_ml, const T* query, const T* key_cache, const T* value_cache, \
+           const int* block_tables, const int* context_lens, int num_heads, int num_kv_heads,                \
+           int block_size_log2, int table_stride, i64 q_stride, int q_row_start, int partition_size,        \
+           int num_partitions, float scale_log2) {                                                          \
+    paged_decode<T, D>(out, part_out, part_ml, query, key_cache, value_cache, block_tables, context_lens,   \
+                       num_heads, num_kv_heads, block_size_log2, table_stride, q_stride, q_row_start,       \
+                       partition_size, num_partitions, scale_log2);                                         \
+  }
+
+PS_DECODE(paged_decode_bf16_d64, bf16, 64)
+PS_DECODE(paged_decode_bf16_d128, bf16, 128)
+PS_DECODE(paged_decode_f16_d64, fp16, 64)
+PS_DECODE(paged_decode_f16_d128, fp16, 128)
+
+#define PS_DECODE_REDUCE(NAME, T)                                                                           \
+  extern "C" __global__ void __launch_bounds__(128)                                                         \
+      NAME(T* out, const float* part_out, const float* part_ml, const int* context_lens, int num_heads,      \
+           int head_dim, int q_row_start, int partition_size, int num_partitions) {                         \
+    paged_decode_reduce<T>(out, part_out, part_ml, context_lens, num_heads, head_dim, q_row_start,          \
+                           partition_size, num_partitions);                                                 \
+  }
+
+PS_DECODE_REDUCE(paged_decode_reduce_bf16, bf16)
+PS_DECODE_REDUCE(paged_decode_reduce_f16, fp16)

@@ -1,0 +1,213 @@
+"""The four services as real processes on free ports, driven through the public gRPC API."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from pagedserve.client import GenerateClient, build_request
+from pagedserve.launcher import Stack, StackConfig
+from pagedserve.service import channel
+from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a CPU cache is.",
+    "Name three rivers in Europe.",
+]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    config = StackConfig(model="default", port=0, kv_cache_memory=256 << 20, log_level="WARNING")
+    with Stack(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with GenerateClient(stack.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf_model(stack):
+    from transformers import AutoModelForCausalLM
+
+    from executor_svc.model_loader import resolve_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model_dir("default"), dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def kv_stats(stack) -> kvcache_pb2.KVCacheStats:
+    with channel(stack.kvcache_address) as ch:
+        return kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.KVCacheStatsRequest())
+
+
+def scheduler_stats(stack) -> scheduler_pb2.SchedulerStats:
+    with channel(stack.scheduler_address) as ch:
+        return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.SchedulerStatsRequest())
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_streamed_greedy_output_equals_transformers(client, hf_model):
+    for prompt in PROMPTS:
+        request = build_request(messages=[{"role": "user", "content": prompt}], temperature=0.0, max_tokens=40)
+        chunks = list(client.stream(request))
+        assert len(chunks) > 1, "tokens must arrive as a stream"
+        token_ids = [t for chunk in chunks for t in chunk.token_ids]
+        assert chunks[-1].finish_reason in (1, 2)  # stop or length
+        assert all(c.finish_reason == 0 for c in chunks[:-1])
+        prompt_ids = hf_model_prompt_ids(prompt)
+        assert token_ids == hf_greedy(hf_model, prompt_ids, 40)
+        assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+        assert chunks[-1].usage.completion_tokens == len(token_ids)
+
+
+def hf_model_prompt_ids(prompt: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    from executor_svc.model_loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("default"))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_chat_answer_is_sensible(client):
+    completion = client.generate(build_request(
+        messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0.0, max_tokens=32
+    ))
+    assert "Paris" in completion.text
+    assert completion.finish_reason == "stop"
+
+
+def test_32_concurrent_streams_all_complete_and_match_transformers(stack, client, hf_model):
+    rng = random.Random(0)
+    requests = [
+        [rng.randrange(100, 40000) for _ in range(rng.randint(8, 40))] for _ in range(32)
+    ]
+    results: dict[int, list[int]] = {}
+    errors: list[Exception] = []
+
+    def run(i: int) -> None:
+        try:
+            completion = client.generate(build_request(prompt_token_ids=requests[i], temperature=0.0,
+                                                       max_tokens=12, ignore_eos=True))
+            assert completion.finish_reason == "length"
+            results[i] = completion.token_ids
+        except Exception as error:  # surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert len(results) == 32
+    for i, prompt_ids in enumerate(requests):
+        assert results[i] == hf_greedy(hf_model, prompt_ids, 12), f"request {i}"
+
+
+def test_cancelled_stream_frees_its_blocks(stack, client):
+    assert wait_for(lambda: kv_stats(stack).num_in_use == 0)
+    idle = kv_stats(stack)
+    request = build_request(prompt="Tell me a very long story about dragons.", temperature=0.0,
+                            max_tokens=2000, ignore_eos=True)
+    stream = client.stream(request)
+    received = 0
+    for response in stream:
+        received += len(response.token_ids)
+        if received >= 5:
+            break
+    assert kv_stats(stack).num_in_use > 0
+    stream.cancel()
+    assert wait_for(lambda: kv_stats(stack).num_in_use == idle.num_in_use, timeout=10)
+    assert kv_stats(stack).num_requests == 0
+
+
+@pytest.mark.parametrize(
+    "fields,field_name",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens"),
+        (dict(prompt="hi", max_tokens=10**7), "max_tokens"),
+        (dict(prompt="hi", temperature=-0.5), "temperature"),
+        (dict(prompt="hi", top_p=0.0), "top_p"),
+        (dict(prompt="hi", top_p=1.5), "top_p"),
+        (dict(prompt="hi", top_k=-2), "top_k"),
+        (dict(prompt_token_ids=[1, 2, 10**8]), "prompt_token_ids"),
+        (dict(prompt="word " * 9000), "prompt"),
+        (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(client, fields, field_name):
+    with pytest.raises(grpc.RpcError) as caught:
+        client.generate(build_request(**fields))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_name in caught.value.details()
+
+
+def test_bad_input_does_not_disturb_other_streams(client):
+    good = {}
+
+    def run() -> None:
+        good["completion"] = client.generate(build_request(prompt="Count to ten:", temperature=0.0, max_tokens=24,
+                                                           ignore_eos=True))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError):
+            client.generate(build_request(prompt="hi", temperature=-1.0))
+    thread.join(timeout=120)
+    assert len(good["completion"].token_ids) == 24
+
+
+def test_stop_strings_trim_the_text_and_end_the_request(stack, client):
+    base = client.generate(build_request(prompt="1, 2, 3, 4,", temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert " 6" in base.text
+    stopped = client.generate(build_request(prompt="1, 2, 3, 4,", temperature=0.0, max_tokens=20,
+                                            ignore_eos=True, stop=[" 6"]))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == base.text[: base.text.index(" 6")]
+    assert wait_for(lambda: kv_stats(stack).num_requests == 0)
+
+
+def test_two_rpcs_per_step_whatever_the_batch_size(stack, client):
+    before = scheduler_stats(stack)
+    threads = [
+        threading.Thread(target=client.generate, args=(build_request(
+            prompt_token_ids=[100 + i, 200, 300], temperature=0.0, max_tokens=8, ignore_eos=True),))
+        for i in range(16)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert wait_for(lambda: scheduler_stats(stack).num_running == 0)
+    after = scheduler_stats(stack)
+    steps = after.num_steps - before.num_steps
+    assert steps > 0
+    assert after.kv_rpcs - before.kv_rpcs == steps
+    assert after.executor_rpcs - before.executor_rpcs == steps

@@ -1,0 +1,148 @@
+"""validate_and_tokenize: each bad field rejected by name; good requests tokenized as the tokenizer does."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
+from pagedserve.sampling_params import SamplingParams
+
+MAX_MODEL_LEN = 64
+VOCAB = 49152
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from executor_svc.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir("default"))
+
+
+def validate(tok, **fields):
+    fields.setdefault("request_id", "req-1")
+    if not {"prompt", "prompt_token_ids", "messages"} & fields.keys():
+        fields["prompt"] = "Hello"
+    return validate_and_tokenize(GenerateInput(**fields), tok, MAX_MODEL_LEN, VOCAB)
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+BAD = [
+    ("request_id", dict(request_id="")),
+    ("request_id", dict(request_id="x" * 257)),
+    ("prompt", dict(prompt=None, prompt_token_ids=None, messages=None)),
+    ("prompt", dict(prompt="hi", prompt_token_ids=[1])),
+    ("prompt", dict(prompt="hi", messages=USER)),
+    ("prompt", dict(prompt="")),
+    ("prompt", dict(prompt="word " * 100)),  # longer than the context
+    ("prompt", dict(prompt_token_ids=[5] * MAX_MODEL_LEN)),
+    ("prompt_token_ids", dict(prompt_token_ids=[])),
+    ("prompt_token_ids", dict(prompt_token_ids=[1, VOCAB])),
+    ("prompt_token_ids", dict(prompt_token_ids=[-1])),
+    ("prompt_token_ids", dict(prompt_token_ids=[1.0])),
+    ("messages", dict(messages=[])),
+    ("messages", dict(messages=[{"role": "wizard", "content": "hi"}])),
+    ("messages", dict(messages=[{"role": "user", "content": ["hi"]}])),
+    ("messages", dict(messages=[{"content": "hi"}])),
+    ("messages", dict(messages=["hi"])),
+    ("max_tokens", dict(max_tokens=0)),
+    ("max_tokens", dict(max_tokens=MAX_MODEL_LEN)),  # prompt + max_tokens > context
+    ("temperature", dict(temperature=-0.1)),
+    ("temperature", dict(temperature=math.nan)),
+    ("temperature", dict(temperature=math.inf)),
+    ("top_p", dict(top_p=0.0)),
+    ("top_p", dict(top_p=1.5)),
+    ("top_k", dict(top_k=-2)),
+    ("min_p", dict(min_p=-0.1)),
+    ("min_p", dict(min_p=1.1)),
+    ("logprobs", dict(logprobs=-1)),
+    ("logprobs", dict(logprobs=21)),
+    ("min_tokens", dict(min_tokens=5, max_tokens=4)),
+    ("min_tokens", dict(min_tokens=-1)),
+    ("seed", dict(seed="7")),
+    ("stop", dict(stop=[""])),
+    ("stop", dict(stop=["s"] * 17)),
+    ("stop", dict(stop="stop")),
+    ("stop_token_ids", dict(stop_token_ids=[VOCAB])),
+    ("stop_token_ids", dict(stop_token_ids=[-3])),
+    ("ignore_eos", dict(ignore_eos=1)),
+    ("skip_special_tokens", dict(skip_special_tokens="yes")),
+    ("cache_salt", dict(cache_salt="")),
+]
+
+
+@pytest.mark.parametrize("field,fields", BAD, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD)])
+def test_bad_input_names_the_field(tok, field, fields):
+    with pytest.raises(ValidationError) as info:
+        validate(tok, **fields)
+    assert info.value.field == field
+    assert field in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_plain_prompt(tok):
+    ids, params = validate(tok, prompt="Hello, world!", max_tokens=8, temperature=0.0, seed=3, stop_token_ids=[2])
+    assert ids == tok.encode("Hello, world!", add_special_tokens=False)
+    assert params == SamplingParams(temperature=0.0, max_tokens=8, seed=3, stop_token_ids=[2])
+
+
+def test_all_sampling_fields_carried_over(tok):
+    _, params = validate(
+        tok, max_tokens=10, min_tokens=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11,
+        stop=["\n"], stop_token_ids=[2, 0], ignore_eos=True, logprobs=5,
+    )
+    assert params == SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11, max_tokens=10, min_tokens=2,
+        stop_token_ids=[2, 0], ignore_eos=True, logprobs=5,
+    )
+
+
+def test_prompt_token_ids_pass_through(tok):
+    ids, _ = validate(tok, prompt_token_ids=[0, 17, VOCAB - 1])
+    assert ids == [0, 17, VOCAB - 1]
+
+
+def test_chat_template_applied(tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    ids, _ = validate(tok, messages=messages)
+    text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert ids == tok.encode(text, add_special_tokens=False)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_context_boundaries(tok):
+    ids, params = validate(tok, prompt_token_ids=[5] * (MAX_MODEL_LEN - 1), max_tokens=1)
+    assert len(ids) + params.max_tokens == MAX_MODEL_LEN
+    with pytest.raises(ValidationError) as info:
+        validate(tok, prompt_token_ids=[5] * (MAX_MODEL_LEN - 1), max_tokens=2)
+    assert info.value.field == "max_tokens"
+    # max_tokens None: up to the context, left to the scheduler.
+    assert validate(tok, prompt="hi", max_tokens=None)[1].max_tokens is None
+
+
+def test_limits_accepted_at_the_edge(tok):
+    validate(tok, request_id="r" * 256, stop=["s"] * 16, logprobs=20, top_p=1.0, min_p=1.0, top_k=-1, cache_salt="salt")
+
+
+def test_add_special_tokens_is_configurable():
+    class BosTokenizer:
+        def encode(self, text, add_special_tokens):
+            return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    inp = GenerateInput(request_id="r", prompt="ab")
+    assert validate_and_tokenize(inp, BosTokenizer(), 64, 256)[0] == [97, 98]
+    assert validate_and_tokenize(inp, BosTokenizer(), 64, 256, add_special_tokens=True)[0] == [1, 97, 98]
+
+
+def test_chat_template_rejection_becomes_a_messages_error():
+    class StrictTokenizer:
+        def apply_chat_template(self, messages, **kwargs):
+            raise ValueError("Conversation roles must alternate user/assistant")
+
+    with pytest.raises(ValidationError) as info:
+        validate_and_tokenize(GenerateInput(request_id="r", messages=USER), StrictTokenizer(), 64, 256)
+    assert info.value.field == "messages" and "alternate" in str(info.value)
