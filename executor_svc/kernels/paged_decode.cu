@@ -30,12 +30,9 @@ constexpr int DECODE_THREADS = 32 * DECODE_WARPS;
 constexpr int DECODE_TILE = 16 * DECODE_WARPS;  // keys per shared-memory tile: 16 per warp
 constexpr int DECODE_ROWS = 16;                 // query heads per CTA: the M of one mma tile
 
-// Dynamic shared memory in bytes (the host computes the same in cupy_backend.decode_smem_bytes):
+// Dynamic shared memory (the host computes the same in cupy_backend.decode_smem_bytes):
 //   sQ [16][D + PAD], then 2 stages x (sK [64][D + PAD], sV [64][D + PAD]), all of T.
 // The final merge reuses the K/V stages as float sO [4][16][D] followed by sM [4][16] and sL [4][16].
-template <int D> constexpr int decode_smem_bytes() {
-  return (DECODE_ROWS + 2 * 2 * DECODE_TILE) * (D + PS_SMEM_PAD) * 2;
-}
 
 template <typename T, int D>
 PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
@@ -49,7 +46,8 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
   static_assert(sizeof(T) == 2, "tensor-core path: 16-bit elements");
   static_assert(2 * 2 * DECODE_TILE * LD * 2 >= DECODE_WARPS * DECODE_ROWS * (D + 2) * 4,
                 "the merge buffers fit in the K/V stages");
-  require_smem(decode_smem_bytes<D>());
+  constexpr int SMEM_BYTES = (DECODE_ROWS + 2 * 2 * DECODE_TILE) * LD * 2;
+  require_smem(SMEM_BYTES);
 
   const int row = blockIdx.x;
   const int group = num_heads / num_kv_heads;
@@ -258,3 +256,79 @@ PS_DECODE(paged_decode_f16_d128, fp16, 128)
 
 PS_DECODE_REDUCE(paged_decode_reduce_bf16, bf16)
 PS_DECODE_REDUCE(paged_decode_reduce_f16, fp16)
+
+// ---------------------------------------------------------------------------------------------------
+// Row-wise attention on CUDA cores, for float32 caches (tests, reference runs): any query row over the
+// first `row_keys[row]` positions of sequence `row_seq[row]`. A prefill query at position p is a row with
+// p + 1 keys, a decode row one with its context length, so one launch covers a whole mixed batch.
+// Grid: (num_rows, num_heads); block: one warp, lane owning elements d = lane + 32 j of the head.
+// Keys are visited in order with an online softmax; the dot product is a warp reduction per key.
+// ---------------------------------------------------------------------------------------------------
+template <typename T, int D>
+PS_DEVICE void paged_attention_rows(T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ key_cache,
+                                    const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+                                    const int* __restrict__ row_seq, const int* __restrict__ row_keys,
+                                    int num_heads, int num_kv_heads, int block_size_log2, int table_stride,
+                                    i64 q_stride, float scale_log2) {
+  constexpr int PER_LANE = D / 32;
+  const int row = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int num_keys = row_keys[row];
+  const int* table = block_tables + static_cast<i64>(row_seq[row]) * table_stride;
+  const int block_mask = (1 << block_size_log2) - 1;
+  const T* q = query + static_cast<i64>(row) * q_stride + static_cast<i64>(head) * D;
+
+  float qv[PER_LANE], acc[PER_LANE];
+#pragma unroll
+  for (int j = 0; j < PER_LANE; ++j) {
+    PS_CHECK_GLOBAL(q + lane + 32 * j, sizeof(T));
+    qv[j] = Elem<T>::load(q + lane + 32 * j);
+    acc[j] = 0.0f;
+  }
+  float m = PS_NEG_INF, l = 0.0f;
+  for (int pos = 0; pos < num_keys; ++pos) {
+    const int block = table[pos >> block_size_log2];
+    const i64 base = ((static_cast<i64>(block) * num_kv_heads + kv_head) << block_size_log2 | (pos & block_mask)) * D;
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+      PS_CHECK_GLOBAL(key_cache + base + lane + 32 * j, sizeof(T));
+      dot += qv[j] * Elem<T>::load(key_cache + base + lane + 32 * j);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += shfl_xor(dot, o);
+    const float s = dot * scale_log2;
+    const float m_new = fmaxf(m, s);
+    const float alpha = fast_exp2(m - m_new);  // 0 on the first key (m = -inf)
+    const float p = fast_exp2(s - m_new);
+    l = l * alpha + p;
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+      PS_CHECK_GLOBAL(value_cache + base + lane + 32 * j, sizeof(T));
+      acc[j] = acc[j] * alpha + p * Elem<T>::load(value_cache + base + lane + 32 * j);
+    }
+    m = m_new;
+  }
+  T* dst = out + static_cast<i64>(row) * num_heads * D + static_cast<i64>(head) * D;
+#pragma unroll
+  for (int j = 0; j < PER_LANE; ++j) {
+    PS_CHECK_GLOBAL(dst + lane + 32 * j, sizeof(T));
+    Elem<T>::store(dst + lane + 32 * j, l > 0.0f ? acc[j] / l : 0.0f);
+  }
+}
+
+#define PS_ROWS(NAME, T, D)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(32)                                                          \
+      NAME(T* out, const T* query, const T* key_cache, const T* value_cache, const int* block_tables,       \
+           const int* row_seq, const int* row_keys, int num_heads, int num_kv_heads, int block_size_log2,    \
+           int table_stride, i64 q_stride, float scale_log2) {                                              \
+    paged_attention_rows<T, D>(out, query, key_cache, value_cache, block_tables, row_seq, row_keys,         \
+                               num_heads, num_kv_heads, block_size_log2, table_stride, q_stride, scale_log2); \
+  }
+
+PS_ROWS(paged_attention_rows_f32_d64, float, 64)
+PS_ROWS(paged_attention_rows_f32_d128, float, 128)
+PS_ROWS(paged_attention_rows_bf16_d64, bf16, 64)
+PS_ROWS(paged_attention_rows_bf16_d128, bf16, 128)
+PS_ROWS(paged_attention_rows_f16_d64, fp16, 64)
+PS_ROWS(paged_attention_rows_f16_d128, fp16, 128)
