@@ -1,14 +1,16 @@
-"""Output-token throughput on workload W: the in-process engine vs transformers' generate_batch.
+"""Output-token throughput on workload W: the in-process engine, the full stack of four services, and
+transformers' generate_batch.
 
-Both run the same model, dtype and prompts, side by side in one run; the ratio is what counts
+All three run the same model, dtype and prompts, side by side in one run; the ratios are what count
 (absolute times on shared machines drift). Writes bench/results/throughput.json.
 
-    python bench/throughput.py [--dtype float32] [--num-requests 64] [--skip-hf]
+    python bench/throughput.py [--dtype float32] [--num-requests 64] [--skip-hf] [--skip-stack]
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +60,39 @@ def run_engine(args, prompts) -> dict:
     }
 
 
+def run_stack(args, prompts) -> dict:
+    from pagedserve.client import GenerateClient, build_request
+    from pagedserve.launcher import Stack, StackConfig
+
+    config = StackConfig(model=args.model, device=args.device, dtype=args.dtype, port=0,
+                         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
+    with Stack(config) as stack, GenerateClient(stack.address) as client:
+        client.generate(build_request(prompt_token_ids=prompts[0][:8], temperature=0.0, max_tokens=2))  # warm-up
+        counts = [0] * len(prompts)
+        failures: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                request = build_request(prompt_token_ids=prompts[i], temperature=0.0,
+                                        max_tokens=args.output_len, ignore_eos=True)
+                counts[i] = len(client.generate(request).token_ids)
+            except BaseException as error:  # reported below
+                failures.append(error)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - start
+    if failures:
+        raise RuntimeError(f"{len(failures)} requests failed: {failures[0]!r}")
+    output_tokens = sum(counts)
+    assert output_tokens == len(prompts) * args.output_len
+    return {"seconds": elapsed, "output_tokens": output_tokens, "output_tok_per_s": output_tokens / elapsed}
+
+
 def run_hf(args, prompts, model_dir) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -89,7 +124,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--skip-hf", action="store_true", help="engine only (no ratio is written)")
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline (no *_vs_hf ratio)")
+    parser.add_argument("--skip-stack", action="store_true", help="no run through the four services")
     parser.add_argument("--name", default="throughput", help="result file name under bench/results/")
     args = parser.parse_args()
 
@@ -101,6 +137,12 @@ def main() -> None:
                             "output_len": args.output_len, "dtype": args.dtype, "device": args.device},
                "engine": engine}
     ratios = {"kv_waste": engine["kv_waste"]}
+    if not args.skip_stack:
+        stack = run_stack(args, prompts)
+        metrics["stack"] = stack
+        ratios["stack_vs_engine"] = stack["output_tok_per_s"] / engine["output_tok_per_s"]
+        print(f"stack: {stack['output_tok_per_s']:.1f} output tok/s ({stack['seconds']:.1f} s), "
+              f"stack_vs_engine {ratios['stack_vs_engine']:.3f}", flush=True)
     if not args.skip_hf:
         from executor_svc.model_loader import resolve_model_dir
 
@@ -109,6 +151,9 @@ def main() -> None:
         metrics["transformers_generate_batch"] = hf
         ratios["engine_vs_hf"] = engine["output_tok_per_s"] / hf["output_tok_per_s"]
         print(f"engine_vs_hf: {ratios['engine_vs_hf']:.2f}")
+        if "stack" in metrics:
+            ratios["stack_vs_hf"] = metrics["stack"]["output_tok_per_s"] / hf["output_tok_per_s"]
+            print(f"stack_vs_hf: {ratios['stack_vs_hf']:.2f}")
     path = write_result(args.name, ratios, metrics)
     print(f"wrote {path}")
 

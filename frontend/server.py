@@ -33,6 +33,7 @@ class SchedulerLink:
         self.pending: dict[str, queue.SimpleQueue] = {}
         self.lock = threading.Lock()
         self.broken: str | None = None
+        self.closing = False
         self.stream = scheduler_stub.Connect(self._outgoing_messages())
         self.reader = threading.Thread(target=self._read, name="scheduler-link", daemon=True)
         self.reader.start()
@@ -55,7 +56,8 @@ class SchedulerLink:
             reason = "the scheduler closed the stream"
         except grpc.RpcError as error:
             reason = f"lost the scheduler: {error.code().name}"
-        logger.warning("%s", reason)
+        if not self.closing:
+            logger.warning("%s", reason)
         with self.lock:
             self.broken = reason
             inboxes = list(self.pending.values())
@@ -86,6 +88,7 @@ class SchedulerLink:
             self.pending.pop(request_id, None)
 
     def close(self) -> None:
+        self.closing = True
         self.outgoing.put(None)
         self.stream.cancel()
 
