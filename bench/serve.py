@@ -295,17 +295,16 @@ def benchmark_against(address: str, args, server: dict) -> dict:
         prompts = workload_w(args.num_requests, *W_PROMPT_LEN, vocab_size=vocab_size, seed=args.seed)
         warm_up(client, args.warmup_requests, vocab_size, args.seed, cache_salt)
         records = run_benchmark(client, prompts, args, cache_salt)
-    metrics = summarize(records, args.output_len)
-    metrics["workload"] = {
+    workload = {
         "num_requests": args.num_requests, "prompt_len": list(W_PROMPT_LEN), "output_len": args.output_len,
         "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
         "max_concurrency": args.max_concurrency, "seed": args.seed, "vocab_size": vocab_size,
         "warmup_requests": args.warmup_requests, "cache_salt": cache_salt,
         "sampling": {"temperature": 0.0, "ignore_eos": True, "max_tokens": args.output_len},
     }
-    metrics["server"] = {**server, "address": address, "served_model": info.model,
-                         "max_model_len": info.max_model_len, "vocab_size": info.vocab_size}
-    return metrics
+    server = {**server, "address": address, "served_model": info.model, "max_model_len": info.max_model_len,
+              "vocab_size": info.vocab_size}
+    return {"workload": workload, "server": server, **summarize(records, args.output_len)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -29,25 +29,31 @@ class SchedulerLink:
     """The frontend's one stream to the scheduler: requests go out, each output goes to its request's queue."""
 
     def __init__(self, scheduler_stub) -> None:
-        self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self.stub = scheduler_stub
         self.pending: dict[str, queue.SimpleQueue] = {}
         self.lock = threading.Lock()
         self.broken: str | None = None
         self.closing = False
-        self.stream = scheduler_stub.Connect(self._outgoing_messages())
-        self.reader = threading.Thread(target=self._read, name="scheduler-link", daemon=True)
-        self.reader.start()
+        self._connect()
 
-    def _outgoing_messages(self):
+    def _connect(self) -> None:
+        # wait_for_ready: a scheduler that is restarting is waited for rather than failed at once.
+        self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self.stream = self.stub.Connect(self._outgoing_messages(self.outgoing), wait_for_ready=True)
+        self.broken = None
+        threading.Thread(target=self._read, args=(self.stream,), name="scheduler-link", daemon=True).start()
+
+    @staticmethod
+    def _outgoing_messages(outgoing: queue.SimpleQueue):
         while True:
-            message = self.outgoing.get()
+            message = outgoing.get()
             if message is None:
                 return
             yield message
 
-    def _read(self) -> None:
+    def _read(self, stream) -> None:
         try:
-            for update in self.stream:
+            for update in stream:
                 with self.lock:
                     routes = [(self.pending.get(o.request_id), o) for o in update.outputs]
                 for inbox, output in routes:
@@ -68,8 +74,11 @@ class SchedulerLink:
                cache_salt: str | None) -> queue.SimpleQueue:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         with self.lock:
+            if self.closing:
+                raise ConnectionError("the frontend is shutting down")
             if self.broken:
-                raise ConnectionError(self.broken)
+                # Requests of the lost stream have failed; new ones go out on a fresh stream.
+                self._connect()
             if request_id in self.pending:
                 raise KeyError(request_id)
             self.pending[request_id] = inbox

@@ -1,0 +1,513 @@
+"""Paged attention on CUDA through CuPy RawModule kernels (executor_svc/kernels/*.cu).
+
+Same interface as TorchPagedAttention: ``build_metadata(layout, device)`` once per step, then
+``forward(query, key, value, key_cache, value_cache, meta)`` per layer. A forward is
+
+1. ``cache_write``: the step's K/V rows into their slots of the HND cache;
+2. for bfloat16 / float16: ``paged_prefill`` over the prefill chunks (tensor cores, causal, GQA-packed) and
+   ``paged_decode`` over the single-token rows (GQA-aware, split-K over the context when the batch is too
+   small to fill the GPU, then ``paged_decode_reduce``);
+3. for float32 (tests, reference runs): ``paged_attention_rows`` over every row, on CUDA cores.
+
+The work is split in two so that most of it runs without a GPU: ``plan_batch`` (numpy) turns a layout into
+the int32 arrays the kernels read and ``plan_forward`` turns tensors and metadata into a list of
+``Launch`` records (kernel name, grid, block, shared memory, arguments). ``forward`` hands the list to a
+launcher: CuPy on torch's current stream by default; the CPU tests pass an emulator instead.
+
+Decode is CUDA-graph capturable: given metadata built beforehand, ``forward`` for a decode-only batch does
+no host synchronisation and no device allocation besides its output tensor (torch's caching allocator,
+which graph capture supports); all kernel arguments are device pointers and Python scalars.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from executor_svc.attention.layout import BatchLayout
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+KERNEL_FILES = ("cache_write.cu", "paged_decode.cu", "paged_prefill.cu")
+COMPILE_OPTIONS = ("-std=c++17",)
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
+
+# Mirrors of the kernels' compile-time constants (see the .cu files).
+SMEM_PAD = 8  # elements of padding per shared-memory row
+CACHE_WRITE_THREADS = 128
+DECODE_THREADS, DECODE_TILE, DECODE_ROWS = 128, 64, 16
+PREFILL_THREADS, PREFILL_TILE, PREFILL_ROWS = 128, 64, 64
+ROWS_THREADS = 32
+STATIC_SMEM_LIMIT = 48 * 1024  # more dynamic shared memory than this needs the kernel attribute raised
+
+# Split-K for decode: aim for this many CTAs per multiprocessor, never cutting a context into slices
+# shorter than MIN_PARTITION keys (below that the extra partial results cost more than they hide).
+CTAS_PER_SM_TARGET = 4
+MIN_PARTITION = 256
+DEFAULT_NUM_SMS = 132  # an H100 / H200; used when the metadata is built for a non-CUDA device
+
+LOG2_E = 1.4426950408889634
+
+
+def decode_smem_bytes(head_dim: int) -> int:
+    """sQ [16][D + 8] and two stages of sK, sV [64][D + 8], 16-bit elements."""
+    return (DECODE_ROWS + 2 * 2 * DECODE_TILE) * (head_dim + SMEM_PAD) * 2
+
+
+def prefill_smem_bytes(head_dim: int) -> int:
+    """sQ [64][D + 8] and two stages of sK, sV [64][D + 8], 16-bit elements."""
+    return (PREFILL_ROWS + 2 * 2 * PREFILL_TILE) * (head_dim + SMEM_PAD) * 2
+
+
+def kernel_source() -> str:
+    """The one translation unit handed to NVRTC: common.cuh, then every kernel file, includes inlined."""
+    common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once\n", "")
+    parts = [common]
+    for name in KERNEL_FILES:
+        text = (KERNEL_DIR / name).read_text().replace('#include "common.cuh"\n', "")
+        parts.append(f"// ===== {name} =====\n{text}")
+    return "\n".join(parts)
+
+
+def kernel_names(source: str | None = None) -> list[str]:
+    """Every extern "C" kernel, read off the instantiation macros (PS_DECODE(paged_decode_bf16_d64, ...))."""
+    return re.findall(r"^PS_[A-Z_]+\((\w+),", source if source is not None else kernel_source(), re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    kernel: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int  # dynamic shared memory, bytes
+    args: tuple  # device pointers as int, scalars as np.int32 / np.int64 / np.float32
+
+
+@dataclass(slots=True)
+class HostPlan:
+    """The int32 arrays one step's kernels read, built on the host from a BatchLayout."""
+
+    num_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    max_context_len: int
+    block_tables: np.ndarray  # [num_seqs, table_stride]: prefill sequences first, then decode rows
+    prefill_seqs: np.ndarray  # [num_prefills, 3]: first query row, query count, context length
+    prefill_work: np.ndarray  # [num_work, 2]: prefill sequence, first packed (query, head) row; longest first
+    decode_context_lens: np.ndarray  # [num_decodes]
+    row_seq: np.ndarray  # [num_tokens]: sequence (table row) of each query row
+    row_keys: np.ndarray  # [num_tokens]: keys each query row sees (its position + 1)
+    decode_partitions: int
+    decode_partition_size: int
+
+
+@dataclass(slots=True)
+class CupyAttentionMetadata:
+    num_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    block_size: int
+    max_context_len: int
+    slot_mapping: torch.Tensor  # [num_tokens] int32
+    block_tables: torch.Tensor  # [num_seqs, table_stride] int32, prefill sequences first
+    prefill_seqs: torch.Tensor  # [num_prefills, 3] int32
+    prefill_work: torch.Tensor  # [num_work, 2] int32
+    decode_context_lens: torch.Tensor  # [num_decodes] int32
+    row_seq: torch.Tensor  # [num_tokens] int32 (float32 path)
+    row_keys: torch.Tensor  # [num_tokens] int32 (float32 path)
+    decode_partitions: int
+    decode_partition_size: int
+    decode_part_out: torch.Tensor | None  # [num_decodes, num_heads, partitions, head_dim] float32 (split-K)
+    decode_part_ml: torch.Tensor | None  # [num_decodes, num_heads, partitions, 2] float32: (max, denominator)
+
+    @property
+    def table_stride(self) -> int:
+        return self.block_tables.shape[1]
+
+    @property
+    def num_prefill_work(self) -> int:
+        return self.prefill_work.shape[0]
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def plan_decode_partitions(num_decodes: int, ctas_per_row: int, max_context_len: int, num_sms: int) -> tuple[int, int]:
+    """(partitions, partition size in keys) for the decode rows.
+
+    One CTA per (row, KV head group) already fills the GPU when there are enough of them; otherwise each
+    context is cut into partitions of a multiple of the 64-key tile, no shorter than MIN_PARTITION, so
+    that there are about CTAS_PER_SM_TARGET CTAs per multiprocessor.
+    """
+    whole = max(DECODE_TILE, _round_up(max_context_len, DECODE_TILE))
+    ctas = num_decodes * ctas_per_row
+    target = CTAS_PER_SM_TARGET * num_sms
+    if num_decodes == 0 or ctas >= target or max_context_len <= MIN_PARTITION:
+        return 1, whole
+    wanted = -(-target // ctas)
+    size = max(MIN_PARTITION, _round_up(-(-max_context_len // wanted), DECODE_TILE))
+    partitions = -(-max_context_len // size)
+    return (1, whole) if partitions == 1 else (partitions, size)
+
+
+def plan_batch(layout: BatchLayout, num_heads: int, num_kv_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> HostPlan:
+    """Validates a layout and builds the kernels' index arrays (numpy, no device needed)."""
+    query_lens, context_lens, tables = layout.query_lens, layout.context_lens, layout.block_tables
+    num_seqs, num_prefills, block_size = len(query_lens), layout.num_prefills, layout.block_size
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if len(context_lens) != num_seqs or len(tables) != num_seqs:
+        raise ValueError(
+            f"layout lists disagree: {num_seqs} query_lens, {len(context_lens)} context_lens, {len(tables)} block_tables"
+        )
+    if not 0 <= num_prefills <= num_seqs:
+        raise ValueError(f"num_prefills {num_prefills} is outside [0, {num_seqs}]")
+    blocks_needed = []
+    for i, (n, ctx, table) in enumerate(zip(query_lens, context_lens, tables)):
+        if n < 1 or ctx < n:
+            raise ValueError(f"sequence {i}: query_len {n} and context_len {ctx} need 1 <= query_len <= context_len")
+        if i >= num_prefills and n != 1:
+            raise ValueError(f"sequence {i} comes after the {num_prefills} prefill chunks but has {n} query tokens")
+        needed = -(-ctx // block_size)
+        if len(table) < needed:
+            raise ValueError(f"sequence {i}: context_len {ctx} needs {needed} blocks, its table has {len(table)}")
+        blocks_needed.append(needed)
+    num_tokens = int(sum(query_lens))
+    if tuple(layout.slot_mapping.shape) != (num_tokens,):
+        raise ValueError(f"slot_mapping has shape {tuple(layout.slot_mapping.shape)}, the batch has {num_tokens} tokens")
+
+    stride = max(blocks_needed, default=1)
+    block_tables = np.zeros((num_seqs, stride), dtype=np.int32)
+    for i, table in enumerate(tables):
+        block_tables[i, : blocks_needed[i]] = table[: blocks_needed[i]]
+
+    group = num_heads // num_kv_heads
+    prefill_seqs = np.zeros((num_prefills, 3), dtype=np.int32)
+    work, row = [], 0
+    for i in range(num_prefills):
+        n, ctx = query_lens[i], context_lens[i]
+        prefill_seqs[i] = (row, n, ctx)
+        packed_rows = n * group
+        for m0 in range(0, packed_rows, PREFILL_ROWS):
+            last_query = (min(m0 + PREFILL_ROWS, packed_rows) - 1) // group
+            work.append((ctx - n + last_query + 1, i, m0))  # keys the tile sweeps, for ordering
+        row += n
+    work.sort(key=lambda w: -w[0])  # longest first: the long tiles start early, short ones fill the tail
+    prefill_work = np.array([(i, m0) for _, i, m0 in work], dtype=np.int32).reshape(-1, 2)
+
+    decode_context_lens = np.asarray(context_lens[num_prefills:], dtype=np.int32)
+    row_seq = np.empty(num_tokens, dtype=np.int32)
+    row_keys = np.empty(num_tokens, dtype=np.int32)
+    row = 0
+    for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
+        row_seq[row : row + n] = i
+        row_keys[row : row + n] = np.arange(ctx - n + 1, ctx + 1)
+        row += n
+
+    max_context_len = int(max(context_lens, default=0))
+    head_groups = -(-group // DECODE_ROWS)
+    max_decode_context = int(decode_context_lens.max()) if decode_context_lens.size else 0
+    partitions, partition_size = plan_decode_partitions(
+        len(decode_context_lens), num_kv_heads * head_groups, max_decode_context, num_sms
+    )
+    return HostPlan(
+        num_tokens=num_tokens,
+        num_prefills=num_prefills,
+        num_prefill_tokens=int(sum(query_lens[:num_prefills])),
+        num_decodes=len(decode_context_lens),
+        max_context_len=max_context_len,
+        block_tables=block_tables,
+        prefill_seqs=prefill_seqs,
+        prefill_work=prefill_work,
+        decode_context_lens=decode_context_lens,
+        row_seq=row_seq,
+        row_keys=row_keys,
+        decode_partitions=partitions,
+        decode_partition_size=partition_size,
+    )
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+class CupyPagedAttention:
+    """Paged attention through the CUDA kernels of executor_svc/kernels, launched with CuPy."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+        launcher: Callable[[Sequence[Launch], torch.device], None] | None = None,
+    ) -> None:
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported by the CUDA kernels; supported: {SUPPORTED_HEAD_DIMS}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.launcher = launcher if launcher is not None else launch_with_cupy
+
+    # ---- metadata -------------------------------------------------------------------------------------
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> CupyAttentionMetadata:
+        device = torch.device(device)
+        plan = plan_batch(layout, self.num_heads, self.num_kv_heads, _num_sms(device))
+        return self.metadata_from_plan(plan, layout.slot_mapping, layout.block_size, device)
+
+    def metadata_from_plan(
+        self, plan: HostPlan, slot_mapping: torch.Tensor, block_size: int, device: torch.device
+    ) -> CupyAttentionMetadata:
+        # All int32 arrays travel in one host-to-device copy and are sliced there.
+        arrays = [plan.block_tables, plan.prefill_seqs, plan.prefill_work, plan.decode_context_lens,
+                  plan.row_seq, plan.row_keys]
+        flat = np.concatenate([a.reshape(-1) for a in arrays]).astype(np.int32, copy=False)
+        packed = torch.from_numpy(flat).to(device)
+        views, offset = [], 0
+        for a in arrays:
+            views.append(packed[offset : offset + a.size].view(a.shape))
+            offset += a.size
+        block_tables, prefill_seqs, prefill_work, decode_context_lens, row_seq, row_keys = views
+
+        part_out = part_ml = None
+        if plan.decode_partitions > 1:
+            shape = (plan.num_decodes, self.num_heads, plan.decode_partitions)
+            part_out = torch.empty(shape + (self.head_dim,), dtype=torch.float32, device=device)
+            part_ml = torch.empty(shape + (2,), dtype=torch.float32, device=device)
+        return CupyAttentionMetadata(
+            num_tokens=plan.num_tokens,
+            num_prefills=plan.num_prefills,
+            num_prefill_tokens=plan.num_prefill_tokens,
+            num_decodes=plan.num_decodes,
+            block_size=block_size,
+            max_context_len=plan.max_context_len,
+            slot_mapping=slot_mapping.to(device=device, dtype=torch.int32),
+            block_tables=block_tables,
+            prefill_seqs=prefill_seqs,
+            prefill_work=prefill_work,
+            decode_context_lens=decode_context_lens,
+            row_seq=row_seq,
+            row_keys=row_keys,
+            decode_partitions=plan.decode_partitions,
+            decode_partition_size=plan.decode_partition_size,
+            decode_part_out=part_out,
+            decode_part_ml=part_ml,
+        )
+
+    # ---- forward --------------------------------------------------------------------------------------
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads * head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads * head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        value_cache: torch.Tensor,
+        meta: CupyAttentionMetadata,
+    ) -> torch.Tensor:
+        out = torch.empty((query.shape[0], self.num_heads * self.head_dim), dtype=query.dtype, device=query.device)
+        launches = self.plan_forward(query, key, value, key_cache, value_cache, meta, out)
+        if launches:
+            self.launcher(launches, query.device)
+        return out
+
+    def plan_forward(self, query, key, value, key_cache, value_cache, meta: CupyAttentionMetadata, out) -> list[Launch]:
+        """The kernel launches of one forward, after checking every tensor they touch."""
+        self._check_inputs(query, key, value, key_cache, value_cache, meta, out)
+        num_tokens = query.shape[0]
+        if num_tokens == 0:
+            return []
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        dtype = query.dtype
+        suffix = DTYPE_SUFFIX[dtype]
+        i32, i64, f32 = np.int32, np.int64, np.float32
+        block_size_log2 = i32(meta.block_size.bit_length() - 1)
+        scale_log2 = f32(self.scale * LOG2_E)
+        q_stride = i64(query.stride(0))
+        stride = meta.table_stride
+        launches = []
+
+        vec = 16 // query.element_size()
+        total = num_tokens * kvh * (d // vec)
+        launches.append(Launch(
+            f"cache_write_{suffix}", (-(-total // CACHE_WRITE_THREADS), 1, 1), (CACHE_WRITE_THREADS, 1, 1), 0,
+            (key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+             meta.slot_mapping.data_ptr(), i32(num_tokens), i32(kvh), i32(d), i32(meta.block_size),
+             i64(key.stride(0)), i64(value.stride(0))),
+        ))
+
+        if dtype not in TENSOR_CORE_DTYPES:
+            launches.append(Launch(
+                f"paged_attention_rows_{suffix}_d{d}", (num_tokens, h, 1), (ROWS_THREADS, 1, 1), 0,
+                (out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                 meta.block_tables.data_ptr(), meta.row_seq.data_ptr(), meta.row_keys.data_ptr(),
+                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2),
+            ))
+            return launches
+
+        if meta.num_prefill_work:
+            launches.append(Launch(
+                f"paged_prefill_{suffix}_d{d}", (meta.num_prefill_work, kvh, 1), (PREFILL_THREADS, 1, 1),
+                prefill_smem_bytes(d),
+                (out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                 meta.block_tables.data_ptr(), meta.prefill_seqs.data_ptr(), meta.prefill_work.data_ptr(),
+                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2),
+            ))
+        if meta.num_decodes:
+            parts = meta.decode_partitions
+            split = parts > 1
+            head_groups = -(-self.group // DECODE_ROWS)
+            # The decode rows' table rows follow the prefill sequences' rows.
+            tables = meta.block_tables.data_ptr() + meta.num_prefills * stride * 4
+            launches.append(Launch(
+                f"paged_decode_{suffix}_d{d}", (meta.num_decodes, kvh * head_groups, parts), (DECODE_THREADS, 1, 1),
+                decode_smem_bytes(d),
+                (out.data_ptr(), meta.decode_part_out.data_ptr() if split else 0,
+                 meta.decode_part_ml.data_ptr() if split else 0, query.data_ptr(), key_cache.data_ptr(),
+                 value_cache.data_ptr(), tables, meta.decode_context_lens.data_ptr(), i32(h), i32(kvh),
+                 block_size_log2, i32(stride), q_stride, i32(meta.num_prefill_tokens),
+                 i32(meta.decode_partition_size), i32(parts), scale_log2),
+            ))
+            if split:
+                launches.append(Launch(
+                    f"paged_decode_reduce_{suffix}", (meta.num_decodes, h, 1), (d, 1, 1), 0,
+                    (out.data_ptr(), meta.decode_part_out.data_ptr(), meta.decode_part_ml.data_ptr(),
+                     meta.decode_context_lens.data_ptr(), i32(h), i32(d), i32(meta.num_prefill_tokens),
+                     i32(meta.decode_partition_size), i32(parts)),
+                ))
+        return launches
+
+    def _check_inputs(self, query, key, value, key_cache, value_cache, meta, out) -> None:
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        dtype = query.dtype
+        _check(dtype in DTYPE_SUFFIX, f"dtype {dtype} is not supported; supported: {list(DTYPE_SUFFIX)}")
+        num_tokens = query.shape[0]
+        _check(num_tokens == meta.num_tokens, f"query has {num_tokens} rows, the metadata {meta.num_tokens}")
+        for name, t, width in (("query", query, h * d), ("key", key, kvh * d), ("value", value, kvh * d),
+                               ("out", out, h * d)):
+            _check(t.dtype == dtype, f"{name} is {t.dtype}, query is {dtype}")
+            _check(t.device == query.device, f"{name} is on {t.device}, query on {query.device}")
+            _check(t.dim() == 2 and tuple(t.shape) == (num_tokens, width),
+                   f"{name} has shape {tuple(t.shape)}, expected ({num_tokens}, {width})")
+            _check(t.stride(1) == 1, f"{name} rows must be contiguous (stride {t.stride()})")
+            _check(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0,
+                   f"{name} rows must start on 16-byte boundaries (stride {t.stride(0)})")
+        _check(out.is_contiguous(), "out must be contiguous")
+        expected = (key_cache.shape[0], kvh, meta.block_size, d)
+        for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+            _check(cache.dtype == dtype, f"{name} is {cache.dtype}, query is {dtype}")
+            _check(cache.device == query.device, f"{name} is on {cache.device}, query on {query.device}")
+            _check(tuple(cache.shape) == expected, f"{name} has shape {tuple(cache.shape)}, expected {expected} (HND)")
+            _check(cache.is_contiguous() and cache.data_ptr() % 16 == 0, f"{name} must be contiguous and 16-byte aligned")
+        for name in ("slot_mapping", "block_tables", "prefill_seqs", "prefill_work", "decode_context_lens",
+                     "row_seq", "row_keys"):
+            t = getattr(meta, name)
+            _check(t.dtype == torch.int32 and t.device == query.device and t.is_contiguous(),
+                   f"metadata {name} must be contiguous int32 on {query.device}, got {t.dtype} on {t.device}")
+        if dtype in TENSOR_CORE_DTYPES and meta.num_decodes and meta.decode_partitions > 1:
+            shape = (meta.num_decodes, h, meta.decode_partitions)
+            _check(meta.decode_part_out is not None and tuple(meta.decode_part_out.shape) == shape + (d,)
+                   and tuple(meta.decode_part_ml.shape) == shape + (2,),
+                   "metadata split-K workspace does not match the decode rows and partitions")
+
+
+def launch_with_cupy(launches: Sequence[Launch], device: torch.device) -> None:
+    """Runs the launches in order on torch's current stream of `device`."""
+    import cupy
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream)
+    with cupy.cuda.Device(index):
+        for launch in launches:
+            kernel = _kernel(launch.kernel, index, launch.smem)
+            kernel(launch.grid, launch.block, launch.args, shared_mem=launch.smem, stream=stream)
+
+
+_MODULE = None
+_KERNELS: dict[tuple[int, str], object] = {}
+_SMEM_RAISED: dict[tuple[int, str], int] = {}
+_LOCK = threading.Lock()
+
+
+def _kernel(name: str, device_index: int, smem: int):
+    """The compiled kernel on the current device (compiled once per process and device, then cached)."""
+    key = (device_index, name)
+    kernel = _KERNELS.get(key)
+    if kernel is None or (smem > STATIC_SMEM_LIMIT and _SMEM_RAISED.get(key, 0) < smem):
+        with _LOCK:
+            global _MODULE
+            import cupy
+
+            if _MODULE is None:
+                _MODULE = cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
+            kernel = _KERNELS.get(key) or _MODULE.get_function(name)
+            if smem > STATIC_SMEM_LIMIT and _SMEM_RAISED.get(key, 0) < smem:
+                kernel.max_dynamic_shared_size_bytes = smem
+                _SMEM_RAISED[key] = smem
+            _KERNELS[key] = kernel
+    return kernel
+
+
+def load_kernels(device: torch.device | str | int | None = None) -> dict[str, int]:
+    """Compiles and loads every kernel on `device` (do it before CUDA-graph capture); returns registers per kernel."""
+    import cupy
+
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    registers = {}
+    with cupy.cuda.Device(index):
+        for name in kernel_names():
+            smem = 0
+            if name.startswith("paged_decode_") and "_d" in name and "reduce" not in name:
+                smem = decode_smem_bytes(int(name.rsplit("_d", 1)[1]))
+            elif name.startswith("paged_prefill_"):
+                smem = prefill_smem_bytes(int(name.rsplit("_d", 1)[1]))
+            registers[name] = _kernel(name, index, smem).num_regs
+    return registers
+
+
+def supported_reason(device: torch.device | str) -> str | None:
+    """None when the CuPy kernels can run on `device`, else why not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA device"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # ImportError, or a CuPy build that does not match the driver
+        return f"cupy is not importable ({type(exc).__name__}: {exc})"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8:
+        return f"compute capability {major}.{minor} < 8.0 (bf16 mma.sync and cp.async need sm_80)"
+    return None
+
+
+__all__ = [
+    "CupyAttentionMetadata", "CupyPagedAttention", "HostPlan", "Launch", "SUPPORTED_HEAD_DIMS", "decode_smem_bytes",
+    "kernel_names", "kernel_source", "launch_with_cupy", "load_kernels", "plan_batch", "plan_decode_partitions",
+    "prefill_smem_bytes", "supported_reason",
+]
