@@ -1,0 +1,86 @@
+"""Float64 references for the CUDA kernels, in plain torch and written for clarity, not speed.
+
+Each function follows the definition directly, position by position through the block table, so it shares
+no indexing code with the kernels or with TorchPagedAttention; the CPU tests check these references
+against TorchPagedAttention, and the GPU tests check every kernel against them.
+
+Cache layout (HND): ``[num_blocks, num_kv_heads, block_size, head_dim]``; position p of a sequence lives
+in block ``table[p // block_size]`` at offset ``p % block_size``. Query head h reads KV head
+``h // (num_heads // num_kv_heads)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def cache_write_reference(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the caches with token t's K/V ([T, KVH * D] or [T, KVH, D]) at slot_mapping[t]; negative slots skipped."""
+    key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    num_kv_heads, block_size, head_dim = key_cache.shape[1:]
+    key = key.reshape(key.shape[0], num_kv_heads, head_dim)
+    value = value.reshape(value.shape[0], num_kv_heads, head_dim)
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        key_cache[block, :, offset] = key[token]
+        value_cache[block, :, offset] = value[token]
+    return key_cache, value_cache
+
+
+def gather_context(cache: torch.Tensor, block_table: Sequence[int], context_len: int) -> torch.Tensor:
+    """[context_len, KVH, D] float64: positions 0..context_len-1 of one sequence."""
+    block_size = cache.shape[2]
+    rows = [cache[block_table[p // block_size], :, p % block_size] for p in range(context_len)]
+    return torch.stack(rows).double() if rows else cache.new_zeros((0,) + cache.shape[1:2] + cache.shape[3:]).double()
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [T, H * D] or [T, H, D]: sequences' query rows back to back
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    scale: float,
+) -> torch.Tensor:
+    """[T, H, D] float64: each query at position p attends to its sequence's keys at positions <= p.
+
+    Sequence i's n = query_lens[i] queries sit at positions context_lens[i] - n .. context_lens[i] - 1, so
+    one-token rows are decodes over the whole context and longer chunks see the cached context plus their
+    own chunk causally (the mask aligned bottom-right).
+    """
+    num_kv_heads, _, head_dim = key_cache.shape[1:]
+    q = query.reshape(query.shape[0], -1, head_dim).double()
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    kv_of_head = torch.arange(num_heads) // group
+    out = torch.empty_like(q)
+    row = 0
+    for n, context_len, table in zip(query_lens, context_lens, block_tables):
+        keys = gather_context(key_cache, table, context_len)[:, kv_of_head]  # [ctx, H, D]
+        values = gather_context(value_cache, table, context_len)[:, kv_of_head]
+        positions = torch.arange(context_len - n, context_len)
+        scores = torch.einsum("nhd,khd->hnk", q[row : row + n], keys) * scale
+        hidden = torch.arange(context_len)[None, :] > positions[:, None]  # [n, ctx]: keys after the query
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+        out[row : row + n] = torch.einsum("hnk,khd->nhd", scores.softmax(-1), values)
+        row += n
+    return out
+
+
+def paged_decode_reference(query, key_cache, value_cache, context_lens, block_tables, scale) -> torch.Tensor:
+    """[N, H, D] float64: one query per sequence over its whole context."""
+    return paged_attention_reference(
+        query, key_cache, value_cache, [1] * len(context_lens), context_lens, block_tables, scale
+    )
+
+
+def paged_prefill_reference(query, key_cache, value_cache, query_lens, context_lens, block_tables, scale) -> torch.Tensor:
+    """[T, H, D] float64: prefill chunks over cached context plus their own chunk, causally."""
+    return paged_attention_reference(query, key_cache, value_cache, query_lens, context_lens, block_tables, scale)
