@@ -1,0 +1,30 @@
+"""SamplingParams: vLLM's defaults, and a ValueError naming the field for every bad value."""
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.sampling_params import SamplingParams
+
+
+def test_defaults_are_vllms():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.min_tokens) == (1.0, 1.0, 0, 0.0, None, 16, 0)
+    assert p.stop_token_ids == [] and p.ignore_eos is False and p.logprobs is None
+    assert SamplingParams(temperature=0).greedy and not p.greedy
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5),
+    ("seed", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
+    ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1),
+])
+def test_bad_values_name_their_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_cannot_exceed_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert SamplingParams(min_tokens=5, max_tokens=None).min_tokens == 5
