@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--executor", help="executor address to size the pool from")
     parser.add_argument("--num-blocks", type=int)
     parser.add_argument("--block-size", type=int)
+    parser.add_argument("--model-id", help="names the K/V in prefix hashes (default: from the executor)")
+    parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -31,12 +33,15 @@ def main(argv: list[str] | None = None) -> None:
                 executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=args.startup_timeout
             )
         num_blocks, block_size = info.num_blocks, info.block_size
-    elif args.num_blocks and args.block_size:
-        num_blocks, block_size = args.num_blocks, args.block_size
+        model_id = args.model_id or f"{info.model}|{info.dtype}"
+    elif args.num_blocks and args.block_size and args.model_id:
+        num_blocks, block_size, model_id = args.num_blocks, args.block_size, args.model_id
     else:
-        parser.error("give --executor, or both --num-blocks and --block-size")
+        parser.error("give --executor, or --num-blocks, --block-size and --model-id")
     service = Service("kvcache_svc", args.host, args.port)
-    kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(KVCacheManager(num_blocks, block_size)), service.server)
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(KVCacheManager(
+        num_blocks, block_size, enable_prefix_caching=not args.no_prefix_caching, model_id=model_id
+    )), service.server)
     logger.info("block pool: %d blocks of %d tokens", num_blocks, block_size)
     service.serve_until_signalled()
 

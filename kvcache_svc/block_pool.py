@@ -94,6 +94,7 @@ class BlockPool:
         self.cached_blocks: dict[bytes, KVBlock] = {}
         # Kept as a counter so stats stay O(1) however large the prefix index grows.
         self._num_cached_evictable = 0
+        self.num_evictions = 0  # cached blocks reused for other tokens
 
     @property
     def num_blocks(self) -> int:
@@ -126,6 +127,7 @@ class BlockPool:
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
                 self._num_cached_evictable -= 1
+                self.num_evictions += 1
             block.ref_cnt = 1
         return blocks
 

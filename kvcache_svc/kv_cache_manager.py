@@ -2,17 +2,24 @@
 
 The scheduler calls ``step`` once per engine step with every free and every allocation of that step, so
 the cost of talking to this manager (in-process or over gRPC) does not grow with the batch size.
+
+With prefix caching (on by default) every full block is indexed under its chained hash as soon as the
+step that computes it is scheduled; an admitted request starts from the longest run of leading blocks
+already in the pool, referenced rather than recomputed. Its last prompt token is always computed, since
+its logits are needed. Unreferenced cached blocks stay in the free queue and are evicted LRU.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvcache_svc.block_hash import block_hash, root_hash
 from kvcache_svc.block_pool import BlockPool, KVBlock
 from pagedserve.step import BlockRequest, BlockStepRequest, BlockStepResult
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 model_id: str = "") -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -21,6 +28,14 @@ class KVCacheManager:
         self.block_tables: dict[str, list[KVBlock]] = {}
         # Largest num_tokens slotted per request: tells whether its last block has room for one more token.
         self.num_tokens: dict[str, int] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_hash = root_hash(f"{model_id}|block_size={block_size}")
+        # Per admitted request: its known tokens, the hashes of its full blocks so far, its cache salt.
+        self.token_ids: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[bytes]] = {}
+        self.cache_salts: dict[str, str | None] = {}
+        self.prefix_queries = 0  # prompt tokens of admitted requests
+        self.prefix_hits = 0  # of those, tokens found already computed
 
     @property
     def num_blocks(self) -> int:
@@ -63,6 +78,9 @@ class KVCacheManager:
         the request's finish."""
         blocks = self.block_tables.pop(request_id, [])
         self.num_tokens.pop(request_id, None)
+        self.token_ids.pop(request_id, None)
+        self.block_hashes.pop(request_id, None)
+        self.cache_salts.pop(request_id, None)
         # Reversed, so that the pool evicts the request's tail before its (more shareable) prefix.
         self.block_pool.free_blocks(reversed(blocks))
 
@@ -89,12 +107,69 @@ class KVCacheManager:
         return result
 
     def _serve(self, request: BlockRequest) -> tuple[list[int], int] | None:
-        """Slots one request, all-or-nothing: its new block ids and the number of leading prompt tokens
-        already cached, or None. Prefix caching attaches here, on admission (prompt_token_ids set):
-        matched blocks are touched into the table before fresh ones are allocated. Without a prefix
-        index every prompt token is computed, so the cached count is 0."""
+        """Slots one request, all-or-nothing: its new block ids and, on admission, the number of leading
+        prompt tokens already cached; None when the pool cannot supply the blocks."""
+        if request.prompt_token_ids is not None:
+            return self._admit(request)
+        if request.new_token_ids and request.request_id in self.token_ids:
+            self.token_ids[request.request_id].extend(request.new_token_ids)
         new_block_ids = self.allocate(request.request_id, request.num_tokens)
-        return None if new_block_ids is None else (new_block_ids, 0)
+        if new_block_ids is None:
+            return None
+        self._cache_full_blocks(request.request_id)
+        return new_block_ids, 0
+
+    def _admit(self, request: BlockRequest) -> tuple[list[int], int] | None:
+        request_id, tokens, bs = request.request_id, list(request.prompt_token_ids), self.block_size
+        self.free(request_id)  # a re-admission starts over
+        hits, hashes = self._cached_prefix(tokens, request.cache_salt)
+        num_cached = len(hits) * bs
+        # num_tokens counts from zero; the cached prefix moves the chunk forward, up to the known tokens.
+        end = min(num_cached + request.num_tokens, len(tokens))
+        num_new = -(-end // bs) - len(hits)
+        # A hit nobody holds sits in the free queue: taking it leaves one block fewer to allocate.
+        if num_new > self.num_free_blocks - sum(1 for block in hits if block.ref_cnt == 0):
+            return None
+        self.block_pool.touch(hits)
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        self.block_tables[request_id] = hits + new_blocks
+        self.num_tokens[request_id] = end
+        self.token_ids[request_id] = tokens
+        self.block_hashes[request_id] = hashes
+        self.cache_salts[request_id] = request.cache_salt
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += num_cached
+        self._cache_full_blocks(request_id)
+        return [block.block_id for block in hits + new_blocks], num_cached
+
+    def _cached_prefix(self, tokens: list[int], salt: str | None) -> tuple[list[KVBlock], list[bytes]]:
+        """The longest run of leading full blocks already in the pool, and their hashes."""
+        if not self.enable_prefix_caching:
+            return [], []
+        hits, hashes, parent, bs = [], [], self.root_hash, self.block_size
+        for i in range((len(tokens) - 1) // bs):  # the last token is always computed
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], salt if i == 0 else None)
+            block = self.block_pool.get_cached_block(parent)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(parent)
+        return hits, hashes
+
+    def _cache_full_blocks(self, request_id: str) -> None:
+        """Indexes the request's blocks that this step fills completely with known tokens."""
+        tokens = self.token_ids.get(request_id)
+        if not self.enable_prefix_caching or tokens is None:
+            return
+        hashes, blocks, bs = self.block_hashes[request_id], self.block_tables[request_id], self.block_size
+        salt = self.cache_salts[request_id]
+        num_full = min(self.num_tokens[request_id], len(tokens)) // bs
+        parent = hashes[-1] if hashes else self.root_hash
+        for i in range(len(hashes), num_full):
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], salt if i == 0 else None)
+            if blocks[i].block_hash is None:
+                self.block_pool.cache_full_block(blocks[i], parent)
+            hashes.append(parent)
 
     def stats(self) -> dict[str, int | float]:
         return {
@@ -104,4 +179,7 @@ class KVCacheManager:
             "num_cached_evictable": self.block_pool.num_cached_evictable,
             "num_requests": self.num_requests,
             "usage": self.usage,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+            "evictions": self.block_pool.num_evictions,
         }

@@ -29,5 +29,6 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             num_blocks=stats["num_blocks"], block_size=self.manager.block_size,
             num_free_blocks=stats["num_free_blocks"], num_in_use=stats["num_in_use"],
             num_cached_evictable=stats["num_cached_evictable"], num_requests=stats["num_requests"],
-            usage=stats["usage"], num_step_calls=calls,
+            usage=stats["usage"], num_step_calls=calls, prefix_cache_queries=stats["prefix_cache_queries"],
+            prefix_cache_hits=stats["prefix_cache_hits"], evictions=stats["evictions"],
         )

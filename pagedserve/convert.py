@@ -91,6 +91,8 @@ def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockS
             item.admitted = True
             item.prompt_token_ids[:] = r.prompt_token_ids
             item.cache_salt = r.cache_salt or ""
+        if r.new_token_ids:
+            item.new_token_ids[:] = r.new_token_ids
     return out
 
 
@@ -102,6 +104,7 @@ def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> Bloc
                 r.request_id, r.num_tokens,
                 prompt_token_ids=list(r.prompt_token_ids) if r.admitted else None,
                 cache_salt=(r.cache_salt or None) if r.admitted else None,
+                new_token_ids=list(r.new_token_ids) or None,
             )
             for r in message.requests
         ],

@@ -48,6 +48,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
         seed: int = 0,
     ) -> None:
         from transformers import AutoTokenizer
@@ -63,7 +64,10 @@ class LLM:
         )
         self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir) if has_tokenizer else None
         context_len = self.runner.max_model_len
-        self.block_manager = KVCacheManager(self.runner.num_blocks, block_size)
+        self.block_manager = KVCacheManager(
+            self.runner.num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
+            model_id=f"{self.runner.model_dir}|{dtype}",
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 block_size=block_size, max_num_seqs=max_num_seqs,

@@ -28,6 +28,9 @@ class BlockRequest:
     # the prefix cache hashes to find blocks that are already computed.
     prompt_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    # For a running request: tokens it gained since the last step (sampled ones), so that the block
+    # manager can name the blocks they fill.
+    new_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
         "output_token_ids", "output_logprobs", "num_computed_tokens", "num_blocks", "status",
-        "finish_reason", "executor_has_state", "num_preemptions", "cache_salt",
+        "finish_reason", "executor_has_state", "num_preemptions", "cache_salt", "num_tokens_sent_to_kv",
     )
 
     def __init__(
@@ -48,6 +48,7 @@ class Request:
         self.executor_has_state = False
         self.num_preemptions = 0
         self.cache_salt = cache_salt
+        self.num_tokens_sent_to_kv = 0  # the block manager knows this many of its tokens
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +58,9 @@ class Request:
         num_prompt = len(self.prompt_token_ids)
         if end <= num_prompt:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     def append_token(self, token: SampledToken) -> None:
         """Adds a sampled token and decides whether the request has finished."""

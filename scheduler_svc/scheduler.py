@@ -154,16 +154,7 @@ class Scheduler:
             budget -= num_new
 
         blocks = self.allocate_blocks(BlockStepRequest(
-            free_request_ids=self.pending_frees,
-            requests=[
-                BlockRequest(
-                    s.request.request_id,
-                    s.request.num_computed_tokens + s.num_new_tokens,
-                    prompt_token_ids=s.request.token_ids(0, s.request.num_tokens) if s.admitted else None,
-                    cache_salt=s.request.cache_salt if s.admitted else None,
-                )
-                for s in scheduled
-            ],
+            free_request_ids=self.pending_frees, requests=[self._block_request(s) for s in scheduled]
         ))
         finished_ids, self.pending_frees = self.pending_frees, []
         self.num_free_blocks = blocks.num_free_blocks
@@ -203,12 +194,30 @@ class Scheduler:
         total = request.num_computed_tokens + num_new
         return max(0, -(-total // self.config.block_size) - request.num_blocks)
 
+    @staticmethod
+    def _block_request(s: _Scheduled) -> BlockRequest:
+        request = s.request
+        known, sent = request.num_tokens, request.num_tokens_sent_to_kv
+        request.num_tokens_sent_to_kv = known
+        if s.admitted:
+            return BlockRequest(
+                request.request_id, s.num_new_tokens,
+                prompt_token_ids=request.token_ids(0, known), cache_salt=request.cache_salt,
+            )
+        return BlockRequest(
+            request.request_id, request.num_computed_tokens + s.num_new_tokens,
+            new_token_ids=request.token_ids(sent, known) if known > sent else None,
+        )
+
     def _execute_request(self, s: _Scheduled, blocks: BlockStepResult) -> ExecuteRequest:
         request = s.request
         new_block_ids = blocks.new_block_ids.get(request.request_id, [])
         request.num_blocks += len(new_block_ids)
+        if s.admitted:
+            # The block manager found this many leading tokens computed already: start after them.
+            request.num_computed_tokens = blocks.num_cached_tokens.get(request.request_id, 0)
         start = request.num_computed_tokens
-        end = start + s.num_new_tokens
+        end = min(start + s.num_new_tokens, request.num_tokens)
         first_time = not request.executor_has_state
         request.executor_has_state = True
         request.num_computed_tokens = end
@@ -234,6 +243,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_tokens_sent_to_kv = 0
         request.num_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -6,18 +6,20 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BlockRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "prompt_token_ids", "admitted", "cache_salt")
+    __slots__ = ("request_id", "num_tokens", "prompt_token_ids", "admitted", "cache_salt", "new_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     admitted: bool
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., admitted: bool = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., admitted: bool = ..., cache_salt: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStepRequest(_message.Message):
     __slots__ = ("free_request_ids", "requests")
@@ -57,7 +59,7 @@ class KVCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls")
+    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +68,9 @@ class KVCacheStats(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_STEP_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_free_blocks: int
@@ -74,4 +79,7 @@ class KVCacheStats(_message.Message):
     num_requests: int
     usage: float
     num_step_calls: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    evictions: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...

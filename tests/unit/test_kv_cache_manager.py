@@ -125,6 +125,9 @@ def test_stats_reports_the_pool():
         "num_cached_evictable": 0,
         "num_requests": 1,
         "usage": 0.5,
+        "prefix_cache_queries": 0,
+        "prefix_cache_hits": 0,
+        "evictions": 0,
     }
 
 

@@ -23,10 +23,15 @@ EOS = 999
 
 
 class CheckingExecutor:
+    """Stores each token id in its KV slot (a fake KV cache) and reads a request's whole sequence back
+    through its block table, so a wrong table, a wrong slot or a wrongly shared prefix block changes the
+    sequence and hence the "sampled" token."""
+
     def __init__(self, block_manager: KVCacheManager, block_size: int, eos_after: dict[str, int] | None = None):
         self.block_manager = block_manager
         self.block_size = block_size
-        self.sequences: dict[str, list[int]] = {}
+        self.slots: dict[int, int] = {}
+        self.progress: dict[str, int] = {}
         self.block_tables: dict[str, list[int]] = {}
         self.eos_after = eos_after or {}
         self.steps: list[ExecuteStep] = []
@@ -34,24 +39,30 @@ class CheckingExecutor:
     def __call__(self, step: ExecuteStep) -> ExecuteResult:
         self.steps.append(step)
         for request_id in step.finished_request_ids:
-            self.sequences.pop(request_id, None)
+            self.progress.pop(request_id, None)
             self.block_tables.pop(request_id, None)
         result = ExecuteResult()
         for req in step.requests:
             if req.sampling_params is not None:
-                self.sequences[req.request_id] = []
+                self.progress[req.request_id] = req.start_position  # a prefix hit starts past zero
                 self.block_tables[req.request_id] = []
-            sequence = self.sequences[req.request_id]
-            assert req.start_position == len(sequence), "tokens fed out of order"
-            sequence.extend(req.token_ids)
+            assert req.start_position == self.progress[req.request_id], "tokens fed out of order"
             table = self.block_tables[req.request_id]
             table.extend(req.new_block_ids)
             # The executor's table must equal the block manager's and cover every position.
             assert table == self.block_manager.block_ids(req.request_id)
-            assert len(table) * self.block_size >= len(sequence)
+            end = req.start_position + len(req.token_ids)
+            assert len(table) * self.block_size >= end
+            for position, token in zip(range(req.start_position, end), req.token_ids):
+                self.slots[self.slot(table, position)] = token
+            self.progress[req.request_id] = end
             if req.sample:
+                sequence = [self.slots[self.slot(table, p)] for p in range(end)]
                 result.sampled[req.request_id] = SampledToken(self.next_token(req.request_id, sequence))
         return result
+
+    def slot(self, table: list[int], position: int) -> int:
+        return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def next_token(self, request_id: str, sequence: list[int]) -> int:
         if request_id in self.eos_after and len(sequence) >= self.eos_after[request_id]:
@@ -158,7 +169,7 @@ def test_without_chunked_prefill_a_prompt_runs_whole():
         400, block_size=4, max_num_batched_tokens=128, max_model_len=128, enable_chunked_prefill=False
     )
     add(scheduler, "a", list(range(100)), temperature=0, max_tokens=3, ignore_eos=True)
-    add(scheduler, "b", list(range(90)), temperature=0, max_tokens=3, ignore_eos=True)
+    add(scheduler, "b", list(range(200, 290)), temperature=0, max_tokens=3, ignore_eos=True)
     run_to_completion(scheduler, executor, block_manager)
     first, second = executor.steps[0], executor.steps[1]
     assert [(r.request_id, len(r.token_ids)) for r in first.requests] == [("a", 100)]
@@ -203,7 +214,7 @@ def test_max_model_len_ends_a_request_with_length():
 def test_abort_frees_blocks_on_the_next_step():
     scheduler, block_manager, executor = make_engine(100, block_size=4)
     add(scheduler, "keep", list(range(10)), temperature=0, max_tokens=50, ignore_eos=True)
-    add(scheduler, "drop", list(range(30)), temperature=0, max_tokens=50, ignore_eos=True)
+    add(scheduler, "drop", list(range(100, 130)), temperature=0, max_tokens=50, ignore_eos=True)
     scheduler.step(executor)
     held = len(block_manager.block_ids("drop"))
     assert held > 0
@@ -212,7 +223,7 @@ def test_abort_frees_blocks_on_the_next_step():
     assert output.finish_reason == "abort"
     scheduler.step(executor)
     assert block_manager.block_ids("drop") == []
-    assert "drop" not in executor.sequences
+    assert "drop" not in executor.block_tables
     assert block_manager.num_free_blocks >= free_before + held - 1  # keep may have taken one block
     assert scheduler.abort_request("drop") is None
 
