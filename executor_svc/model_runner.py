@@ -82,6 +82,9 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        # Tokens whose K/V this runner has computed since start (prefix-cache hits are not among them).
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
 
     @torch.inference_mode()
     def execute(self, step: ExecuteStep) -> ExecuteResult:
@@ -146,6 +149,8 @@ class ModelRunner:
             num_prefill_tokens=layout.num_prefill_tokens,
             num_decode_tokens=input_ids.shape[0] - layout.num_prefill_tokens,
         )
+        self.num_prefill_tokens += result.num_prefill_tokens
+        self.num_decode_tokens += result.num_decode_tokens
         row_ends = np.cumsum([len(r.token_ids) for r in ordered]) - 1
         sample_rows = [int(row_ends[i]) for i, r in enumerate(ordered) if r.sample]
         if not sample_rows:

@@ -13,15 +13,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.runner = runner
         self.model_name = model_name
         self.lock = threading.Lock()  # the runner's request state is driven by one step at a time
-        self.num_prefill_tokens = 0
-        self.num_decode_tokens = 0
 
     def Execute(self, request, context):
         step = execute_step_from_proto(request)
         with self.lock:
             result = self.runner.execute(step)
-            self.num_prefill_tokens += result.num_prefill_tokens
-            self.num_decode_tokens += result.num_decode_tokens
         return execute_result_to_proto(result)
 
     def GetInfo(self, request, context):
@@ -32,5 +28,5 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             vocab_size=runner.config.vocab_size, eos_token_ids=list(runner.eos_token_ids),
             attention_backend=type(runner.attention).__name__, device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."),
-            num_prefill_tokens=self.num_prefill_tokens, num_decode_tokens=self.num_decode_tokens,
+            num_prefill_tokens=runner.num_prefill_tokens, num_decode_tokens=runner.num_decode_tokens,
         )

@@ -88,10 +88,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
     ) -> list[GenerationResult]:
         """Generates for every prompt (text, or a list of token ids) as one continuous batch.
 
-        Returns one result per prompt, in input order.
+        Returns one result per prompt, in input order. Requests with different ``cache_salt`` values never
+        share prefix-cache blocks.
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -110,7 +112,7 @@ class LLM:
             token_ids = self._tokenize(prompt)
             request_id = str(next(self._request_ids))
             self.scheduler.add_request(
-                Request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len)
+                Request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len, cache_salt)
             )
             results[request_id] = GenerationResult(
                 request_id, token_ids, logprobs=[] if params.logprobs is not None else None
