@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-all proto bench-throughput clean
+.PHONY: setup run test test-all proto kernels-check gpu-check bench-throughput clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,16 @@ proto: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Compiles the CUDA kernels for sm_90 (no GPU needed; says so and passes without nvcc): fails on a compile
+# error, a register spill or a local-memory stack frame. tests/unit/test_kernels_cpu.py runs it in make test.
+kernels-check: $(STAMP)
+	$(PY) tools/kernels_check.py
+
+# On a CUDA machine, with that machine's python3 (CUDA torch and cupy): kernels-check, pytest tests/gpu,
+# bench/kernel.py; log and results in $$RESULTS_DIR (default bench/results).
+gpu-check:
+	PYTHON=$(PYTHON) bash tools/gpu_check.sh
 
 # Includes the tests marked slow.
 test-all: $(STAMP)

@@ -34,6 +34,14 @@ class BlockRequest:
 
 
 @dataclass(slots=True)
+class BlockTransfer:
+    """A block's K/V moving between the KV pool and the offload tier, named by its prefix hash."""
+
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass(slots=True)
 class BlockStepRequest:
     # Freed first, so their blocks serve this step's requests.
     free_request_ids: list[str] = field(default_factory=list)
@@ -49,6 +57,13 @@ class BlockStepResult:
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
     failed_request_ids: list[str] = field(default_factory=list)
     num_free_blocks: int = 0
+    # Offload tier. Per admitted request: blocks (right after its pool hits) to fill from the tier; they
+    # are counted in num_cached_tokens.
+    tier_loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)
+    # Cached blocks this step hands to other tokens: copied out before the step overwrites them.
+    saves_before: list[BlockTransfer] = field(default_factory=list)
+    # Blocks this step fills, copied out after it (write-through, when asked for).
+    saves_after: list[BlockTransfer] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- scheduler -> executor
@@ -71,6 +86,9 @@ class ExecuteRequest:
     # Sent with sampling_params: the prompt length, from which the executor counts output tokens
     # (min_tokens keeps stop and EOS tokens from being sampled until that many exist).
     prompt_len: int = 0
+    # Blocks to fill from the offload tier before computing: they hold the first len(load_blocks) *
+    # block_size of token_ids, which are computed only if a load fails.
+    load_blocks: list[BlockTransfer] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -78,6 +96,9 @@ class ExecuteStep:
     requests: list[ExecuteRequest] = field(default_factory=list)
     # Requests whose state the executor drops before running this step (finished, aborted, preempted).
     finished_request_ids: list[str] = field(default_factory=list)
+    # Copied to the offload tier before the step runs, and after it.
+    save_blocks: list[BlockTransfer] = field(default_factory=list)
+    save_blocks_after: list[BlockTransfer] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -94,6 +115,8 @@ class ExecuteResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_loaded_blocks: int = 0  # filled from the offload tier
+    num_failed_loads: int = 0  # missing from the tier: their tokens were computed instead
 
 
 # --------------------------------------------------------------------------- scheduler -> frontend

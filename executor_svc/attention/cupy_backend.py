@@ -160,8 +160,15 @@ def plan_decode_partitions(num_decodes: int, ctas_per_row: int, max_context_len:
     return (1, whole) if partitions == 1 else (partitions, size)
 
 
-def plan_batch(layout: BatchLayout, num_heads: int, num_kv_heads: int, num_sms: int = DEFAULT_NUM_SMS) -> HostPlan:
-    """Validates a layout and builds the kernels' index arrays (numpy, no device needed)."""
+def plan_batch(
+    layout: BatchLayout, num_heads: int, num_kv_heads: int, num_sms: int = DEFAULT_NUM_SMS, *,
+    context_capacity: int = 0,
+) -> HostPlan:
+    """Validates a layout and builds the kernels' index arrays (numpy, no device needed).
+
+    context_capacity: the longest context the arrays must be able to serve later (CUDA-graph replay with
+    refilled metadata): the table width and the decode partition plan cover at least that many keys.
+    """
     query_lens, context_lens, tables = layout.query_lens, layout.context_lens, layout.block_tables
     num_seqs, num_prefills, block_size = len(query_lens), layout.num_prefills, layout.block_size
     if block_size < 1 or block_size & (block_size - 1):
@@ -186,7 +193,7 @@ def plan_batch(layout: BatchLayout, num_heads: int, num_kv_heads: int, num_sms: 
     if tuple(layout.slot_mapping.shape) != (num_tokens,):
         raise ValueError(f"slot_mapping has shape {tuple(layout.slot_mapping.shape)}, the batch has {num_tokens} tokens")
 
-    stride = max(blocks_needed, default=1)
+    stride = max(max(blocks_needed, default=1), -(-context_capacity // block_size))
     block_tables = np.zeros((num_seqs, stride), dtype=np.int32)
     for i, table in enumerate(tables):
         block_tables[i, : blocks_needed[i]] = table[: blocks_needed[i]]
@@ -217,6 +224,8 @@ def plan_batch(layout: BatchLayout, num_heads: int, num_kv_heads: int, num_sms: 
     max_context_len = int(max(context_lens, default=0))
     head_groups = -(-group // DECODE_ROWS)
     max_decode_context = int(decode_context_lens.max()) if decode_context_lens.size else 0
+    if decode_context_lens.size:
+        max_decode_context = max(max_decode_context, context_capacity)
     partitions, partition_size = plan_decode_partitions(
         len(decode_context_lens), num_kv_heads * head_groups, max_decode_context, num_sms
     )
@@ -273,10 +282,40 @@ class CupyPagedAttention:
         self.launcher = launcher if launcher is not None else launch_with_cupy
 
     # ---- metadata -------------------------------------------------------------------------------------
-    def build_metadata(self, layout: BatchLayout, device: torch.device) -> CupyAttentionMetadata:
+    def build_metadata(
+        self, layout: BatchLayout, device: torch.device, *, context_capacity: int = 0
+    ) -> CupyAttentionMetadata:
+        """Device metadata for one step. With context_capacity, the metadata of a decode-only batch can
+        later be refilled in place (refill_metadata) with any batch of as many rows whose contexts stay
+        within that many keys: what a captured CUDA graph replays with."""
         device = torch.device(device)
-        plan = plan_batch(layout, self.num_heads, self.num_kv_heads, _num_sms(device))
+        plan = plan_batch(layout, self.num_heads, self.num_kv_heads, _num_sms(device),
+                          context_capacity=context_capacity)
         return self.metadata_from_plan(plan, layout.slot_mapping, layout.block_size, device)
+
+    def refill_metadata(self, meta: CupyAttentionMetadata, layout: BatchLayout) -> None:
+        """Writes a decode-only layout into `meta`'s tensors in place, keeping every tensor and scalar a
+        captured forward baked in (row count, table width, partitions); raises ValueError if it does not fit."""
+        _check(layout.num_prefills == 0 and meta.num_prefills == 0, "refill_metadata serves decode-only batches")
+        _check(layout.block_size == meta.block_size, f"block size {layout.block_size}, metadata {meta.block_size}")
+        plan = plan_batch(layout, self.num_heads, self.num_kv_heads, DEFAULT_NUM_SMS)
+        _check(plan.num_decodes == meta.num_decodes, f"{plan.num_decodes} rows, the metadata holds {meta.num_decodes}")
+        width = plan.block_tables.shape[1]
+        capacity = meta.decode_partitions * meta.decode_partition_size
+        _check(width <= meta.table_stride and int(plan.decode_context_lens.max()) <= capacity,
+               f"contexts up to {int(plan.decode_context_lens.max())} keys exceed the metadata's capacity "
+               f"({capacity} keys, {meta.table_stride} blocks per table)")
+        tables = np.zeros(tuple(meta.block_tables.shape), dtype=np.int32)
+        tables[:, :width] = plan.block_tables
+        host = np.concatenate([tables.reshape(-1), plan.decode_context_lens, plan.row_seq, plan.row_keys])
+        host = torch.from_numpy(host)
+        n = meta.num_decodes
+        meta.block_tables.view(-1).copy_(host[: tables.size])
+        meta.decode_context_lens.copy_(host[tables.size : tables.size + n])
+        meta.row_seq.copy_(host[tables.size + n : tables.size + 2 * n])
+        meta.row_keys.copy_(host[tables.size + 2 * n :])
+        meta.slot_mapping.copy_(layout.slot_mapping.to(dtype=torch.int32))
+        meta.max_context_len = plan.max_context_len
 
     def metadata_from_plan(
         self, plan: HostPlan, slot_mapping: torch.Tensor, block_size: int, device: torch.device
@@ -438,11 +477,33 @@ def launch_with_cupy(launches: Sequence[Launch], device: torch.device) -> None:
     import cupy
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream)
-    with cupy.cuda.Device(index):
-        for launch in launches:
-            kernel = _kernel(launch.kernel, index, launch.smem)
-            kernel(launch.grid, launch.block, launch.args, shared_mem=launch.smem, stream=stream)
+    stream = _external_stream(index, torch.cuda.current_stream(index).cuda_stream)
+    if cupy.cuda.runtime.getDevice() == index:
+        _launch_all(launches, index, stream)
+    else:
+        with cupy.cuda.Device(index):
+            _launch_all(launches, index, stream)
+
+
+def _launch_all(launches: Sequence[Launch], index: int, stream) -> None:
+    for launch in launches:
+        kernel = _kernel(launch.kernel, index, launch.smem)
+        kernel(launch.grid, launch.block, launch.args, shared_mem=launch.smem, stream=stream)
+
+
+_STREAMS: dict[tuple[int, int], object] = {}
+
+
+def _external_stream(index: int, pointer: int):
+    """CuPy's handle on a torch stream (a wrapper of the pointer, cached: the decode path runs it per layer)."""
+    stream = _STREAMS.get((index, pointer))
+    if stream is None:
+        import cupy
+
+        if len(_STREAMS) > 64:
+            _STREAMS.clear()
+        stream = _STREAMS[(index, pointer)] = cupy.cuda.ExternalStream(pointer)
+    return stream
 
 
 _MODULE = None

@@ -84,3 +84,77 @@ def paged_decode_reference(query, key_cache, value_cache, context_lens, block_ta
 def paged_prefill_reference(query, key_cache, value_cache, query_lens, context_lens, block_tables, scale) -> torch.Tensor:
     """[T, H, D] float64: prefill chunks over cached context plus their own chunk, causally."""
     return paged_attention_reference(query, key_cache, value_cache, query_lens, context_lens, block_tables, scale)
+
+
+class PagedProblem:
+    """Random inputs of one attention step over a paged cache, for checking a backend against the references.
+
+    Block tables draw from a shuffled pool (and list one spare block past what the context needs), so
+    neighbouring positions rarely share neighbouring blocks. ``query``, ``key`` and ``value`` are column
+    slices of one fused ``[T, (H + 2 * KVH) * D]`` tensor, as the model produces them (rows not dense).
+    With ``poison`` the cache holds NaN everywhere a kernel must not read or must overwrite first: past
+    each context, in unused blocks, and in the slots this step writes.
+    """
+
+    def __init__(
+        self, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, query_lens: Sequence[int],
+        cached_lens: Sequence[int], num_prefills: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+        seed: int = 0, poison: bool = True, spare_blocks: int = 3,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.block_size, self.num_prefills, self.dtype = block_size, num_prefills, dtype
+        self.query_lens = list(query_lens)
+        self.context_lens = [c + n for c, n in zip(cached_lens, query_lens)]
+        self.scale = head_dim**-0.5
+        needed = [-(-ctx // block_size) for ctx in self.context_lens]
+        num_blocks = sum(needed) + spare_blocks
+        pool = torch.randperm(num_blocks, generator=gen).tolist()
+        self.block_tables, taken = [], 0
+        for n_blocks in needed:
+            spare = int(torch.randint(num_blocks, (1,), generator=gen))
+            self.block_tables.append(pool[taken : taken + n_blocks] + [spare])
+            taken += n_blocks
+        slots = [
+            table[p // block_size] * block_size + p % block_size
+            for n, ctx, table in zip(self.query_lens, self.context_lens, self.block_tables)
+            for p in range(ctx - n, ctx)
+        ]
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        key_cache = torch.randn(shape, generator=gen)
+        value_cache = torch.randn(shape, generator=gen)
+        if poison:
+            live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+            for n, ctx, table in zip(self.query_lens, self.context_lens, self.block_tables):
+                for p in range(ctx - n):  # cached positions hold data; everything else is NaN
+                    live[table[p // block_size] * block_size + p % block_size] = True
+            dead = ~live.view(num_blocks, 1, block_size, 1).expand(shape)
+            key_cache[dead] = float("nan")
+            value_cache[dead] = float("nan")
+        num_tokens = sum(self.query_lens)
+        qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+        self.qkv = qkv.to(dtype=dtype, device=device)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.query, self.key, self.value = self.qkv.split([q_size, kv_size, kv_size], dim=-1)
+        self.key_cache = key_cache.to(dtype=dtype, device=device)
+        self.value_cache = value_cache.to(dtype=dtype, device=device)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+
+    def layout(self):
+        from executor_svc.attention.layout import BatchLayout
+
+        return BatchLayout(
+            query_lens=list(self.query_lens), context_lens=list(self.context_lens),
+            block_tables=[list(t) for t in self.block_tables], num_prefills=self.num_prefills,
+            slot_mapping=self.slot_mapping, block_size=self.block_size,
+        )
+
+    def expected(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(attention output [T, H, D], key cache, value cache) after the step, float64 / cache dtype, on the CPU."""
+        key_cache, value_cache = cache_write_reference(
+            self.key_cache.cpu(), self.value_cache.cpu(), self.key.cpu(), self.value.cpu(), self.slot_mapping.cpu()
+        )
+        out = paged_attention_reference(
+            self.query.cpu(), key_cache, value_cache, self.query_lens, self.context_lens, self.block_tables, self.scale
+        )
+        return out, key_cache, value_cache

@@ -23,7 +23,6 @@ struct fp16 { u16 bits; };
 #define PS_CHECK_GLOBAL(ptr, bytes) emu_check_global((const void*)(ptr), (bytes))
 #endif
 
-constexpr float PS_NEG_INF = -__builtin_huge_valf();
 // Shared-memory rows of K, V and Q tiles are padded by 8 elements (16 bytes): row strides of 144 or 272
 // bytes put the 8 rows that one ldmatrix phase reads on 8 distinct 4-bank groups (no bank conflicts).
 constexpr int PS_SMEM_PAD = 8;
@@ -41,6 +40,9 @@ PS_DEVICE float bits_as_float(u32 bits) {
   return f;
 #endif
 }
+
+// -infinity (no constexpr spelling of it is portable across nvcc, NVRTC and g++).
+#define PS_NEG_INF (bits_as_float(0xff800000u))
 
 PS_DEVICE float bf16_to_float(u16 bits) { return bits_as_float(static_cast<u32>(bits) << 16); }
 
@@ -166,7 +168,7 @@ PS_DEVICE void cp_async_16(void* smem_dst, const void* gmem_src) {
 
 PS_DEVICE void cp_async_commit() {
 #ifndef PAGEDSERVE_EMULATION
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #else
   emu_cp_async_commit();
 #endif
@@ -175,7 +177,7 @@ PS_DEVICE void cp_async_commit() {
 // Waits until at most N of this thread's committed copy groups are still in flight.
 template <int N> PS_DEVICE void cp_async_wait() {
 #ifndef PAGEDSERVE_EMULATION
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #else
   emu_cp_async_wait(N);
 #endif
