@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-all proto kernels-check gpu-check bench-throughput clean
+.PHONY: setup run test test-all proto kernels-check gpu-check bench-throughput redis-server clean
 
 setup: $(STAMP)
 
@@ -26,8 +26,12 @@ run: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/pagedserve/v1/*.proto
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(PY) -m pytest -q
+
+# The offload-tier tests start their own redis-server on a free port; this installs the binary if missing.
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update && apt-get install -y redis-server)
 
 # Compiles the CUDA kernels for sm_90 (no GPU needed; says so and passes without nvcc): fails on a compile
 # error, a register spill or a local-memory stack frame. tests/unit/test_kernels_cpu.py runs it in make test.
@@ -40,7 +44,7 @@ gpu-check:
 	PYTHON=$(PYTHON) bash tools/gpu_check.sh
 
 # Includes the tests marked slow.
-test-all: $(STAMP)
+test-all: $(STAMP) redis-server
 	$(PY) -m pytest -q -m ''
 
 bench-throughput: $(STAMP)

@@ -131,3 +131,14 @@ def generation_eos_token_ids(model_dir: Path) -> list[int]:
         return []
     eos = json.loads(path.read_text()).get("eos_token_id")
     return eos if isinstance(eos, list) else [] if eos is None else [eos]
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Names the weights by content (config and the first MiB of each shard), so that every executor of
+    the same model, on any machine, names its K/V blocks alike."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in safetensors_files(model_dir):
+        digest.update(str(path.stat().st_size).encode())
+        with open(path, "rb") as shard:
+            digest.update(shard.read(1 << 20))
+    return digest.hexdigest()[:16]

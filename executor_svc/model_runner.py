@@ -5,7 +5,9 @@ decode step carries a few integers per request. It owns the model, the KV tensor
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,13 +15,21 @@ import torch
 
 from executor_svc.attention.layout import BatchLayout
 from executor_svc.attention.torch_backend import TorchPagedAttention
+from executor_svc.attention.selection import select_attention_backend
+from executor_svc import cuda_graphs
 from executor_svc.kv_cache import allocate_kv_caches, available_memory, num_blocks_for_budget
 from executor_svc.model_config import ModelConfig, parse_dtype
-from executor_svc.model_loader import generation_eos_token_ids, iterate_weights, resolve_model_dir
+from executor_svc.model_loader import (
+    generation_eos_token_ids,
+    iterate_weights,
+    model_fingerprint,
+    resolve_model_dir,
+)
 from executor_svc.models.llama import LlamaForCausalLM
+from executor_svc.offload import HostTier, RedisTier
 from executor_svc.sampler import Sampler, SamplingBatch
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteRequest, ExecuteResult, ExecuteStep
+from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +51,11 @@ class ModelRunner:
         kv_cache_memory: int | None = None,
         kv_cache_fraction: float = 0.3,
         max_model_len: int | None = None,
+        attention_backend: str = "auto",
+        max_num_seqs: int = 256,
+        cuda_graph_batch_sizes: list[int] | tuple[int, ...] | None = None,
+        enforce_eager: bool = False,
+        offload_tier: HostTier | RedisTier | None = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -56,8 +71,13 @@ class ModelRunner:
         self.eos_token_ids = tuple(
             sorted(set(self.config.eos_token_ids) | set(generation_eos_token_ids(self.model_dir)))
         )
+        # What the K/V were computed with: prefix hashes (and so Redis keys) are rooted in it.
+        self.model_id = f"{model_fingerprint(self.model_dir)}|{dtype}"
 
-        self.attention = TorchPagedAttention(
+        backend_cls, reason = select_attention_backend(self.device, attention_backend, head_dim=self.config.head_dim)
+        self.attention_backend_name = "torch" if backend_cls is TorchPagedAttention else "cupy"
+        logger.info("attention backend %s (%s)", self.attention_backend_name, reason)
+        self.attention = backend_cls(
             self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.config.head_dim**-0.5
         )
         with torch.device(self.device):
@@ -82,9 +102,18 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self.offload_tier = offload_tier
+        self.block_bytes = self.config.kv_bytes_per_token(self.dtype) * block_size
+        self.blocks_saved = self.blocks_loaded = self.failed_loads = 0
+        self.bytes_saved = self.bytes_loaded = 0
         # Tokens whose K/V this runner has computed since start (prefix-cache hits are not among them).
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        # Decode steps replay CUDA graphs (CUDA with the cupy backend only; see executor_svc/cuda_graphs.py).
+        self.enforce_eager = enforce_eager
+        self.cuda_graph_batch_sizes = cuda_graphs.cuda_graph_batch_sizes(max_num_seqs, cuda_graph_batch_sizes)
+        self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
+        self._capture_decode_graphs()
 
     @torch.inference_mode()
     def execute(self, step: ExecuteStep) -> ExecuteResult:
@@ -127,12 +156,21 @@ class ModelRunner:
                 self.requests[req.request_id].block_ids.extend(req.new_block_ids)
             else:
                 raise KeyError(f"request {req.request_id!r} is unknown to the executor and carries no sampling_params")
-        if not step.requests:
-            return [], None, ExecuteResult()
+        # Blocks about to be overwritten leave first; then prefix blocks come back from the tier.
+        self._save_blocks(step.save_blocks)
+        requests, num_loaded, num_failed = self._load_blocks(step.requests)
+        try:
+            return self._forward(requests, num_loaded, num_failed)
+        finally:
+            self._save_blocks(step.save_blocks_after)
+
+    def _forward(self, requests: list[ExecuteRequest], num_loaded: int, num_failed: int):
+        if not requests:
+            return [], None, ExecuteResult(num_loaded_blocks=num_loaded, num_failed_loads=num_failed)
 
         # Prefill chunks first, then single-token rows sorted by context length for grouping.
-        prefills = [r for r in step.requests if len(r.token_ids) > 1]
-        singles = sorted((r for r in step.requests if len(r.token_ids) == 1), key=lambda r: r.start_position)
+        prefills = [r for r in requests if len(r.token_ids) > 1]
+        singles = sorted((r for r in requests if len(r.token_ids) == 1), key=lambda r: r.start_position)
         ordered = prefills + singles
         input_ids, positions, slots = self._flatten(ordered)
         layout = BatchLayout(
@@ -143,11 +181,12 @@ class ModelRunner:
             slot_mapping=slots,
             block_size=self.block_size,
         )
-        meta = self.attention.build_metadata(layout, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._compute_hidden(input_ids, positions, layout)
         result = ExecuteResult(
             num_prefill_tokens=layout.num_prefill_tokens,
             num_decode_tokens=input_ids.shape[0] - layout.num_prefill_tokens,
+            num_loaded_blocks=num_loaded,
+            num_failed_loads=num_failed,
         )
         self.num_prefill_tokens += result.num_prefill_tokens
         self.num_decode_tokens += result.num_decode_tokens
@@ -157,6 +196,100 @@ class ModelRunner:
             return [], None, result
         logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=self.device)])
         return [r for r in ordered if r.sample], logits, result
+
+    def _compute_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """The final-norm hidden states of the step's rows: a replayed CUDA graph for a decode step that one
+        fits, else the eager forward."""
+        if self.decode_graphs is not None:
+            hidden = self.decode_graphs.run(input_ids, positions, layout)
+            if hidden is not None:
+                return hidden
+        meta = self.attention.build_metadata(layout, self.device)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _capture_decode_graphs(self) -> None:
+        if self.enforce_eager or self.device.type != "cuda" or self.attention_backend_name != "cupy":
+            why = ("enforce_eager" if self.enforce_eager else f"device {self.device}" if self.device.type != "cuda"
+                   else f"the {self.attention_backend_name} attention backend")
+            logger.info("CUDA graphs off (%s): every step runs eagerly", why)
+            return
+        if not self.cuda_graph_batch_sizes:
+            logger.info("CUDA graphs off: no batch size to capture")
+            return
+        from executor_svc.attention.cupy_backend import load_kernels
+
+        started = time.perf_counter()
+        load_kernels(self.device)  # compilation and module loading stay out of the capture
+        graphs = cuda_graphs.DecodeGraphRunner(
+            self.model, self.attention, self.kv_caches, device=self.device, block_size=self.block_size,
+            hidden_size=self.config.hidden_size, batch_sizes=self.cuda_graph_batch_sizes,
+            context_capacities=cuda_graphs.cuda_graph_context_capacities(self.max_model_len),
+        )
+        try:
+            graphs.capture()
+        except Exception:
+            logger.exception("CUDA graph capture failed; every step runs eagerly")
+            torch.cuda.synchronize(self.device)
+            return
+        self.decode_graphs = graphs
+        logger.info(
+            "captured %d CUDA graphs for decode in %.1f s: batch sizes %s, context capacities %s",
+            len(graphs.graphs), time.perf_counter() - started, list(graphs.batch_sizes),
+            list(graphs.context_capacities),
+        )
+
+    # ------------------------------------------------------------------ offload tier
+
+    def _save_blocks(self, transfers: list[BlockTransfer]) -> None:
+        if self.offload_tier is None or not transfers:
+            return
+        values = self._read_blocks([t.block_id for t in transfers])
+        self.offload_tier.save([(t.block_hash, value) for t, value in zip(transfers, values)])
+        self.blocks_saved += len(transfers)
+        self.bytes_saved += sum(map(len, values))
+
+    def _load_blocks(self, requests: list[ExecuteRequest]) -> tuple[list[ExecuteRequest], int, int]:
+        """Fills each request's tier blocks and drops their tokens from what it computes; a block the tier
+        no longer has (and every block after it) is computed instead."""
+        out, num_loaded, num_failed = [], 0, 0
+        for req in requests:
+            if not req.load_blocks:
+                out.append(req)
+                continue
+            values = self.offload_tier.load([t.block_hash for t in req.load_blocks]) if self.offload_tier else []
+            found = 0
+            for value in values:
+                if value is None or len(value) != self.block_bytes:
+                    break
+                found += 1
+            if found:
+                self._write_blocks([t.block_id for t in req.load_blocks[:found]], values[:found])
+                self.bytes_loaded += found * self.block_bytes
+            num_loaded += found
+            num_failed += len(req.load_blocks) - found
+            skip = found * self.block_size
+            out.append(dataclasses.replace(
+                req, token_ids=req.token_ids[skip:], start_position=req.start_position + skip, load_blocks=[]
+            ))
+        self.blocks_loaded += num_loaded
+        self.failed_loads += num_failed
+        return out, num_loaded, num_failed
+
+    def _read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        index = torch.as_tensor(block_ids, device=self.device)
+        # [blocks, layers, 2, kv_heads, block_size, head_dim]: one block's K/V of every layer, contiguous.
+        stacked = torch.stack([torch.stack((k[index], v[index]), dim=1) for k, v in self.kv_caches], dim=1)
+        raw = stacked.cpu().contiguous().view(torch.uint8).numpy()
+        return [raw[i].tobytes() for i in range(len(block_ids))]
+
+    def _write_blocks(self, block_ids: list[int], values: list[bytes]) -> None:
+        index = torch.as_tensor(block_ids, device=self.device)
+        raw = torch.frombuffer(bytearray(b"".join(values)), dtype=torch.uint8)
+        layers = len(self.kv_caches)
+        stacked = raw.view(self.dtype).view(len(block_ids), layers, 2, *self.kv_caches[0][0].shape[1:]).to(self.device)
+        for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
+            key_cache[index] = stacked[:, layer, 0]
+            value_cache[index] = stacked[:, layer, 1]
 
     def _flatten(self, ordered: list[ExecuteRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         bs = self.block_size

@@ -95,6 +95,8 @@ class BlockPool:
         # Kept as a counter so stats stay O(1) however large the prefix index grows.
         self._num_cached_evictable = 0
         self.num_evictions = 0  # cached blocks reused for other tokens
+        # (block id, hash it held) of evictions not yet collected by the manager, for the offload tier.
+        self.evicted: list[tuple[int, bytes]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -125,6 +127,7 @@ class BlockPool:
         for block in blocks:
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
+                self.evicted.append((block.block_id, block.block_hash))
                 block.block_hash = None
                 self._num_cached_evictable -= 1
                 self.num_evictions += 1

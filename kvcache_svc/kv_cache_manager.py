@@ -7,6 +7,11 @@ With prefix caching (on by default) every full block is indexed under its chaine
 step that computes it is scheduled; an admitted request starts from the longest run of leading blocks
 already in the pool, referenced rather than recomputed. Its last prompt token is always computed, since
 its logits are needed. Unreferenced cached blocks stay in the free queue and are evicted LRU.
+
+With an offload tier, a cached block about to be evicted is first copied out (``saves_before``), and,
+when asked, every block as it fills (``saves_after``); a prefix that runs out in the pool continues in
+the tier, and those blocks are loaded into fresh blocks instead of recomputed (``tier_loads``). This
+manager decides what moves; the executor moves the bytes.
 """
 from __future__ import annotations
 
@@ -14,12 +19,13 @@ from collections.abc import Iterable
 
 from kvcache_svc.block_hash import block_hash, root_hash
 from kvcache_svc.block_pool import BlockPool, KVBlock
-from pagedserve.step import BlockRequest, BlockStepRequest, BlockStepResult
+from kvcache_svc.offload_index import LocalTierIndex
+from pagedserve.step import BlockRequest, BlockStepRequest, BlockStepResult, BlockTransfer
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 model_id: str = "") -> None:
+                 model_id: str = "", tier: LocalTierIndex | None = None, write_through: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -35,7 +41,14 @@ class KVCacheManager:
         self.block_hashes: dict[str, list[bytes]] = {}
         self.cache_salts: dict[str, str | None] = {}
         self.prefix_queries = 0  # prompt tokens of admitted requests
-        self.prefix_hits = 0  # of those, tokens found already computed
+        self.prefix_hits = 0  # of those, tokens found already computed (in the pool or the tier)
+        self.tier = tier if enable_prefix_caching else None
+        self.write_through = write_through and self.tier is not None
+        self.tier_hits = 0  # tokens loaded from the tier instead of recomputed
+        self.blocks_saved = 0
+        # Filled while serving one step, handed out with its result.
+        self._tier_loads: dict[str, list[BlockTransfer]] = {}
+        self._filled: list[BlockTransfer] = []
 
     @property
     def num_blocks(self) -> int:
@@ -104,7 +117,21 @@ class KVCacheManager:
             if request.prompt_token_ids is not None:
                 result.num_cached_tokens[request.request_id] = num_cached_tokens
         result.num_free_blocks = self.num_free_blocks
+        self._collect_transfers(result)
         return result
+
+    def _collect_transfers(self, result: BlockStepResult) -> None:
+        evicted, self.block_pool.evicted = self.block_pool.evicted, []
+        filled, self._filled = self._filled, []
+        result.tier_loads, self._tier_loads = self._tier_loads, {}
+        if self.tier is None:
+            return
+        result.saves_before = [BlockTransfer(block_id, block_hash) for block_id, block_hash in evicted]
+        if self.write_through:
+            result.saves_after = filled
+        saved = result.saves_before + result.saves_after
+        self.tier.record([t.block_hash for t in saved])
+        self.blocks_saved += len(saved)
 
     def _serve(self, request: BlockRequest) -> tuple[list[int], int] | None:
         """Slots one request, all-or-nothing: its new block ids and, on admission, the number of leading
@@ -122,8 +149,8 @@ class KVCacheManager:
     def _admit(self, request: BlockRequest) -> tuple[list[int], int] | None:
         request_id, tokens, bs = request.request_id, list(request.prompt_token_ids), self.block_size
         self.free(request_id)  # a re-admission starts over
-        hits, hashes = self._cached_prefix(tokens, request.cache_salt)
-        num_cached = len(hits) * bs
+        hits, hashes, num_tier = self._cached_prefix(tokens, request.cache_salt)
+        num_cached = (len(hits) + num_tier) * bs
         # num_tokens counts from zero; the cached prefix moves the chunk forward, up to the known tokens.
         end = min(num_cached + request.num_tokens, len(tokens))
         num_new = -(-end // bs) - len(hits)
@@ -135,26 +162,44 @@ class KVCacheManager:
         self.block_tables[request_id] = hits + new_blocks
         self.num_tokens[request_id] = end
         self.token_ids[request_id] = tokens
-        self.block_hashes[request_id] = hashes
+        self.block_hashes[request_id] = hashes[: len(hits)]
         self.cache_salts[request_id] = request.cache_salt
         self.prefix_queries += len(tokens)
         self.prefix_hits += num_cached
+        if num_tier:
+            # The first fresh blocks take the tier's copies; they are indexed as full blocks below.
+            tier_hashes = hashes[len(hits) : len(hits) + num_tier]
+            self._tier_loads[request_id] = [
+                BlockTransfer(block.block_id, block_hash) for block, block_hash in zip(new_blocks, tier_hashes)
+            ]
+            self.tier_hits += num_tier * bs
         self._cache_full_blocks(request_id)
+        if num_tier:  # the tier has these already: no write-through for them
+            loaded = {t.block_id for t in self._tier_loads[request_id]}
+            self._filled = [t for t in self._filled if t.block_id not in loaded]
         return [block.block_id for block in hits + new_blocks], num_cached
 
-    def _cached_prefix(self, tokens: list[int], salt: str | None) -> tuple[list[KVBlock], list[bytes]]:
-        """The longest run of leading full blocks already in the pool, and their hashes."""
+    def _cached_prefix(self, tokens: list[int], salt: str | None) -> tuple[list[KVBlock], list[bytes], int]:
+        """The longest run of leading full blocks already in the pool, how many of the blocks after them
+        the tier holds, and the hashes of both runs (pool hits first)."""
         if not self.enable_prefix_caching:
-            return [], []
+            return [], [], 0
         hits, hashes, parent, bs = [], [], self.root_hash, self.block_size
-        for i in range((len(tokens) - 1) // bs):  # the last token is always computed
+        num_full = (len(tokens) - 1) // bs  # the last token is always computed
+        for i in range(num_full):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], salt if i == 0 else None)
+            hashes.append(parent)
             block = self.block_pool.get_cached_block(parent)
             if block is None:
                 break
             hits.append(block)
+        if self.tier is None or len(hits) == num_full:
+            return hits, hashes[: len(hits)], 0
+        for i in range(len(hashes), num_full):
+            parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], None)
             hashes.append(parent)
-        return hits, hashes
+        num_tier = self.tier.leading_count(hashes[len(hits) :])
+        return hits, hashes[: len(hits) + num_tier], num_tier
 
     def _cache_full_blocks(self, request_id: str) -> None:
         """Indexes the request's blocks that this step fills completely with known tokens."""
@@ -167,8 +212,8 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else self.root_hash
         for i in range(len(hashes), num_full):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], salt if i == 0 else None)
-            if blocks[i].block_hash is None:
-                self.block_pool.cache_full_block(blocks[i], parent)
+            if blocks[i].block_hash is None and self.block_pool.cache_full_block(blocks[i], parent):
+                self._filled.append(BlockTransfer(blocks[i].block_id, parent))
             hashes.append(parent)
 
     def stats(self) -> dict[str, int | float]:
@@ -182,4 +227,7 @@ class KVCacheManager:
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
             "evictions": self.block_pool.num_evictions,
+            "tier_hits": self.tier_hits,
+            "blocks_saved": self.blocks_saved,
+            **(self.tier.stats() if self.tier is not None else {"tier_index_blocks": 0, "tier_errors": 0}),
         }

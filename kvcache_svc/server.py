@@ -31,4 +31,5 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             num_cached_evictable=stats["num_cached_evictable"], num_requests=stats["num_requests"],
             usage=stats["usage"], num_step_calls=calls, prefix_cache_queries=stats["prefix_cache_queries"],
             prefix_cache_hits=stats["prefix_cache_hits"], evictions=stats["evictions"],
+            tier_hits=stats["tier_hits"], blocks_saved=stats["blocks_saved"], tier_errors=stats["tier_errors"],
         )

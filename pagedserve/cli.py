@@ -23,7 +23,8 @@ def _up(args: argparse.Namespace) -> int:
         model=args.model, device=device, dtype=args.dtype, host=host, port=int(port),
         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        log_level=args.log_level,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        offload=args.offload, redis_url=args.redis_url, offload_all=args.offload_all, log_level=args.log_level,
     )
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -81,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--max-model-len", type=int)
     up.add_argument("--max-num-seqs", type=int, default=256)
     up.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    up.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cupy"],
+                    help="auto: the CuPy CUDA kernels on a CUDA device where they can run, else torch")
+    up.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    up.add_argument("--offload", choices=["host", "redis", "none"],
+                    help="where evicted prefix blocks go (default: host memory, or Redis with --redis-url)")
+    up.add_argument("--redis-url", help="redis://host:port/db for the KV offload tier")
+    up.add_argument("--offload-all", action="store_true", help="copy every block to the tier as it fills")
     up.add_argument("--log-level", default="WARNING")
     up.set_defaults(handler=_up)
 

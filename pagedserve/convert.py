@@ -7,6 +7,7 @@ from __future__ import annotations
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import (
     BlockRequest,
+    BlockTransfer,
     BlockStepRequest,
     BlockStepResult,
     ExecuteRequest,
@@ -80,6 +81,15 @@ def token_from_proto(message: common_pb2.TokenLogprob) -> SampledToken:
     )
 
 
+def _transfers_to_proto(transfers: list[BlockTransfer], out) -> None:
+    for t in transfers:
+        out.add(block_id=t.block_id, block_hash=t.block_hash)
+
+
+def _transfers_from_proto(messages) -> list[BlockTransfer]:
+    return [BlockTransfer(m.block_id, m.block_hash) for m in messages]
+
+
 # --------------------------------------------------------------------------- scheduler <-> block manager
 
 
@@ -119,6 +129,9 @@ def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStep
         delta = out.deltas[request_id]
         delta.block_ids[:] = block_ids
         delta.num_cached_tokens = result.num_cached_tokens.get(request_id, 0)
+        _transfers_to_proto(result.tier_loads.get(request_id, []), delta.tier_loads)
+    _transfers_to_proto(result.saves_before, out.saves_before)
+    _transfers_to_proto(result.saves_after, out.saves_after)
     return out
 
 
@@ -128,6 +141,9 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
         num_cached_tokens={rid: d.num_cached_tokens for rid, d in message.deltas.items()},
         failed_request_ids=list(message.failed_request_ids),
         num_free_blocks=message.num_free_blocks,
+        tier_loads={rid: _transfers_from_proto(d.tier_loads) for rid, d in message.deltas.items() if d.tier_loads},
+        saves_before=_transfers_from_proto(message.saves_before),
+        saves_after=_transfers_from_proto(message.saves_after),
     )
 
 
@@ -136,6 +152,8 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
 
 def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
     out = executor_pb2.ExecuteStep(finished_request_ids=step.finished_request_ids)
+    _transfers_to_proto(step.save_blocks, out.save_blocks)
+    _transfers_to_proto(step.save_blocks_after, out.save_blocks_after)
     for r in step.requests:
         item = out.requests.add(
             request_id=r.request_id, token_ids=r.token_ids, start_position=r.start_position,
@@ -144,6 +162,7 @@ def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
         if r.sampling_params is not None:
             sampling_to_proto(r.sampling_params, item.sampling)
             item.prompt_len = r.prompt_len
+        _transfers_to_proto(r.load_blocks, item.load_blocks)
     return out
 
 
@@ -158,16 +177,20 @@ def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> ExecuteStep:
                 sample=r.sample,
                 sampling_params=sampling_from_proto(r.sampling, None) if r.HasField("sampling") else None,
                 prompt_len=r.prompt_len,
+                load_blocks=_transfers_from_proto(r.load_blocks),
             )
             for r in message.requests
         ],
         finished_request_ids=list(message.finished_request_ids),
+        save_blocks=_transfers_from_proto(message.save_blocks),
+        save_blocks_after=_transfers_from_proto(message.save_blocks_after),
     )
 
 
 def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult:
     out = executor_pb2.ExecuteResult(
-        num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens
+        num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
+        num_loaded_blocks=result.num_loaded_blocks, num_failed_loads=result.num_failed_loads,
     )
     for request_id, token in result.sampled.items():
         token_to_proto(token, out.sampled[request_id])
@@ -179,6 +202,8 @@ def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteRes
         sampled={rid: token_from_proto(t) for rid, t in message.sampled.items()},
         num_prefill_tokens=message.num_prefill_tokens,
         num_decode_tokens=message.num_decode_tokens,
+        num_loaded_blocks=message.num_loaded_blocks,
+        num_failed_loads=message.num_failed_loads,
     )
 
 

@@ -32,6 +32,11 @@ class StackConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    attention_backend: str = "auto"  # auto, torch or cupy (executor_svc --attention-backend)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    offload: str | None = None  # host (default), redis (default with redis_url) or none
+    redis_url: str | None = None
+    offload_all: bool = False  # copy every block to the tier as it fills
     log_level: str = "WARNING"
     startup_timeout: float = 600.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -57,9 +62,18 @@ class Stack:
             executor += ["--kv-cache-memory", str(c.kv_cache_memory)]
         if c.max_model_len is not None:
             executor += ["--max-model-len", str(c.max_model_len)]
+        # The executor captures decode CUDA graphs up to the scheduler's batch limit.
+        executor += ["--attention-backend", c.attention_backend, "--max-num-seqs", str(c.max_num_seqs)]
+        if c.enforce_eager:
+            executor += ["--enforce-eager"]
+        if c.offload is not None:
+            executor += ["--offload", c.offload]
+        if c.redis_url is not None:
+            executor += ["--redis-url", c.redis_url]
         try:
             self._spawn("executor_svc", self.executor_address, executor + common)
-            self._spawn("kvcache_svc", self.kvcache_address, ["--executor", self.executor_address] + common)
+            kvcache = ["--executor", self.executor_address] + (["--offload-all"] if c.offload_all else [])
+            self._spawn("kvcache_svc", self.kvcache_address, kvcache + common)
             self._spawn("scheduler_svc", self.scheduler_address, [
                 "--kvcache", self.kvcache_address, "--executor", self.executor_address,
                 "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from executor_svc.model_runner import ModelRunner
+from executor_svc.offload import make_tier
 from kvcache_svc.kv_cache_manager import KVCacheManager
+from kvcache_svc.offload_index import make_tier_index
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
 from scheduler_svc.request import Request
@@ -49,14 +51,25 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        offload: str | None = None,
+        offload_host_bytes: int = 1 << 30,
+        redis_url: str | None = None,
+        redis_ttl: int | None = None,
+        offload_all: bool = False,
         seed: int = 0,
     ) -> None:
         from transformers import AutoTokenizer
 
         torch.manual_seed(seed)
+        # Evicted prefix blocks go to host memory by default, to Redis when a URL is given.
+        offload = offload or ("redis" if redis_url else "host")
+        tier = make_tier(offload, host_bytes=offload_host_bytes, redis_url=redis_url, redis_ttl=redis_ttl)
         self.runner = ModelRunner(
             model, dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            kv_cache_fraction=kv_cache_fraction, max_model_len=max_model_len,
+            kv_cache_fraction=kv_cache_fraction, max_model_len=max_model_len, offload_tier=tier,
+            attention_backend=attention_backend, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
         )
         # A checkpoint without tokenizer files still serves prompts given as token ids (text stays "").
         has_tokenizer = any(
@@ -66,7 +79,9 @@ class LLM:
         context_len = self.runner.max_model_len
         self.block_manager = KVCacheManager(
             self.runner.num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-            model_id=f"{self.runner.model_dir}|{dtype}",
+            model_id=self.runner.model_id,
+            tier=make_tier_index(offload, offload_host_bytes // self.runner.block_bytes, redis_url or ""),
+            write_through=offload_all,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -165,7 +165,10 @@ class Scheduler:
         # A running request refused here is preempted; the blocks it still holds go back in the next
         # step's call.
         requests = [self._execute_request(s, blocks) for s in scheduled if s.request.request_id not in refused]
-        return ExecuteStep(requests=requests, finished_request_ids=finished_ids)
+        return ExecuteStep(
+            requests=requests, finished_request_ids=finished_ids,
+            save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
+        )
 
     def update(self, step: ExecuteStep, result: ExecuteResult) -> list[RequestOutput]:
         outputs = []
@@ -213,11 +216,14 @@ class Scheduler:
         request = s.request
         new_block_ids = blocks.new_block_ids.get(request.request_id, [])
         request.num_blocks += len(new_block_ids)
+        loads = blocks.tier_loads.get(request.request_id, []) if s.admitted else []
         if s.admitted:
-            # The block manager found this many leading tokens computed already: start after them.
+            # The block manager found this many leading tokens computed already (in the pool, or in the
+            # offload tier for the last len(loads) blocks of them): the step starts after them.
             request.num_computed_tokens = blocks.num_cached_tokens.get(request.request_id, 0)
-        start = request.num_computed_tokens
-        end = min(start + s.num_new_tokens, request.num_tokens)
+        end = min(request.num_computed_tokens + s.num_new_tokens, request.num_tokens)
+        # Tokens of blocks to load travel too, so that the executor can compute them if a load fails.
+        start = request.num_computed_tokens - len(loads) * self.config.block_size
         first_time = not request.executor_has_state
         request.executor_has_state = True
         request.num_computed_tokens = end
@@ -229,6 +235,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             sampling_params=request.sampling_params if first_time else None,
             prompt_len=len(request.prompt_token_ids) if first_time else 0,
+            load_blocks=loads,
         )
 
     def _refused(self, s: _Scheduled) -> None:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_position", "new_block_ids", "sample", "sampling", "prompt_len")
+    __slots__ = ("request_id", "token_ids", "start_position", "new_block_ids", "sample", "sampling", "prompt_len", "load_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class ExecuteRequest(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
@@ -22,18 +23,23 @@ class ExecuteRequest(_message.Message):
     sample: bool
     sampling: _common_pb2.SamplingParams
     prompt_len: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    load_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class ExecuteStep(_message.Message):
-    __slots__ = ("requests", "finished_request_ids")
+    __slots__ = ("requests", "finished_request_ids", "save_blocks", "save_blocks_after")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_BLOCKS_AFTER_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[ExecuteRequest]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    save_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    save_blocks_after: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., save_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., save_blocks_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
-    __slots__ = ("sampled", "num_prefill_tokens", "num_decode_tokens")
+    __slots__ = ("sampled", "num_prefill_tokens", "num_decode_tokens", "num_loaded_blocks", "num_failed_loads")
     class SampledEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,17 +50,21 @@ class ExecuteResult(_message.Message):
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
     sampled: _containers.MessageMap[str, _common_pb2.TokenLogprob]
     num_prefill_tokens: int
     num_decode_tokens: int
-    def __init__(self, sampled: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ...) -> None: ...
+    num_loaded_blocks: int
+    num_failed_loads: int
+    def __init__(self, sampled: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_failed_loads: _Optional[int] = ...) -> None: ...
 
 class ExecutorInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens")
+    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +77,15 @@ class ExecutorInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SAVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_REDIS_URL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_dir: str
     num_blocks: int
@@ -79,4 +98,13 @@ class ExecutorInfo(_message.Message):
     dtype: str
     num_prefill_tokens: int
     num_decode_tokens: int
-    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ...) -> None: ...
+    offload: str
+    blocks_saved: int
+    blocks_loaded: int
+    failed_loads: int
+    bytes_moved: int
+    tier_errors: int
+    offload_capacity_blocks: int
+    offload_redis_url: str
+    model_id: str
+    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...

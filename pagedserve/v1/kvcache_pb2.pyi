@@ -1,3 +1,4 @@
+from pagedserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -30,15 +31,17 @@ class BlockStepRequest(_message.Message):
     def __init__(self, free_request_ids: _Optional[_Iterable[str]] = ..., requests: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
 
 class BlockDelta(_message.Message):
-    __slots__ = ("block_ids", "num_cached_tokens")
+    __slots__ = ("block_ids", "num_cached_tokens", "tier_loads")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOADS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    tier_loads: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., tier_loads: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class BlockStepResult(_message.Message):
-    __slots__ = ("deltas", "failed_request_ids", "num_free_blocks")
+    __slots__ = ("deltas", "failed_request_ids", "num_free_blocks", "saves_before", "saves_after")
     class DeltasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,17 +52,21 @@ class BlockStepResult(_message.Message):
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SAVES_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    SAVES_AFTER_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.MessageMap[str, BlockDelta]
     failed_request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_free_blocks: int
-    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    saves_before: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    saves_after: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ..., saves_before: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., saves_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class KVCacheStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions")
+    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +78,9 @@ class KVCacheStats(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HITS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SAVED_FIELD_NUMBER: _ClassVar[int]
+    TIER_ERRORS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_free_blocks: int
@@ -82,4 +92,7 @@ class KVCacheStats(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     evictions: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    tier_hits: int
+    blocks_saved: int
+    tier_errors: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ...) -> None: ...

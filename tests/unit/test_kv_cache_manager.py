@@ -128,6 +128,10 @@ def test_stats_reports_the_pool():
         "prefix_cache_queries": 0,
         "prefix_cache_hits": 0,
         "evictions": 0,
+        "tier_hits": 0,
+        "blocks_saved": 0,
+        "tier_index_blocks": 0,
+        "tier_errors": 0,
     }
 
 

@@ -11,6 +11,7 @@ from pagedserve.step import (
     BlockRequest,
     BlockStepRequest,
     BlockStepResult,
+    BlockTransfer,
     ExecuteRequest,
     ExecuteResult,
     ExecuteStep,
@@ -41,7 +42,11 @@ def test_block_step_round_trip():
         requests=[BlockRequest("a", 17, prompt_token_ids=[1, 2, 3], cache_salt="tenant"), BlockRequest("b", 5)],
     )
     assert convert.block_step_request_from_proto(convert.block_step_request_to_proto(request)) == request
-    result = BlockStepResult({"a": [4, 5], "b": []}, {"a": 0, "b": 0}, ["c"], 9)
+    result = BlockStepResult(
+        {"a": [4, 5], "b": []}, {"a": 32, "b": 0}, ["c"], 9,
+        tier_loads={"a": [BlockTransfer(4, b"\x01" * 32)]},
+        saves_before=[BlockTransfer(7, b"\x02" * 32)], saves_after=[BlockTransfer(5, b"\x03" * 32)],
+    )
     assert convert.block_step_result_from_proto(convert.block_step_result_to_proto(result)) == result
 
 
@@ -50,15 +55,17 @@ def test_execute_step_round_trip():
                             min_tokens=2, stop_token_ids=[4], ignore_eos=True, logprobs=2)
     step = ExecuteStep(
         requests=[
-            ExecuteRequest("a", [1, 2, 3], 0, [7], True, params, prompt_len=3),
+            ExecuteRequest("a", [1, 2, 3], 0, [7], True, params, prompt_len=3,
+                           load_blocks=[BlockTransfer(7, b"\x04" * 32)]),
             ExecuteRequest("b", [9], 40, [], True),
         ],
         finished_request_ids=["x"],
+        save_blocks=[BlockTransfer(1, b"\x05" * 32)], save_blocks_after=[BlockTransfer(2, b"\x06" * 32)],
     )
     assert convert.execute_step_from_proto(convert.execute_step_to_proto(step)) == step
     result = ExecuteResult(
         sampled={"a": SampledToken(5, -0.25, [5, 6], [-0.25, -2.0]), "b": SampledToken(8), "c": SampledToken(1, 0.0, [], [])},
-        num_prefill_tokens=3, num_decode_tokens=1,
+        num_prefill_tokens=3, num_decode_tokens=1, num_loaded_blocks=2, num_failed_loads=1,
     )
     back = convert.execute_result_from_proto(convert.execute_result_to_proto(result))
     assert back == result  # a logprob of exactly 0.0 is kept, not mistaken for "none asked"
