@@ -48,49 +48,13 @@ def tiny_llama_dir(tmp_path_factory):
     return path
 
 
-class RedisServer:
-    """A redis-server of the test's own on a free loopback port, without persistence."""
-
-    def __init__(self, tmp_path) -> None:
-        import shutil
-        import socket
-        import subprocess
-        import time
-
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed (make test installs it: apt-get install redis-server)")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(tmp_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        import redis
-
-        self.client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    self.stop()
-                    pytest.fail("redis-server did not start")
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-
-
 @pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path)
+def redis_server():
+    from pagedserve.local_redis import LocalRedis
+
+    try:
+        server = LocalRedis()
+    except RuntimeError as error:
+        pytest.fail(str(error))
     yield server
     server.stop()
