@@ -11,13 +11,25 @@ also how a server would run decode), timed with CUDA events, median of several r
 Inputs rotate among enough independent copies that the working set exceeds the L2 cache.
 Writes RESULTS_DIR/kernel.json (bench/results by default); ratio decode_vs_copy_bw is taken at batch 64,
 context 2048 on the Qwen2.5-0.5B-like shape (14 query heads, 2 KV heads, head_dim 64).
+
+Part 2, end to end: decode steps of the executor (ModelRunner.execute: metadata, the model, logits and
+greedy sampling, tokens back on the host) for a random-weight Qwen2.5-0.5B-shaped checkpoint written here,
+bf16, 64 sequences at contexts 1,985 to 2,024, with CUDA graphs and without (enforce_eager). The floor is
+the bytes a step must read (every weight once, the LM head included, and every sequence's K/V of every
+layer) over the copy bandwidth of the same run; decode_e2e_vs_floor_{graphs,eager} = floor time / step
+time (1.0 would be a step at the copy bandwidth).
+
+Everything runs within TIME_BUDGET_S: the headline decode point and part 2 first, then the rest of the
+sweep while time remains (points left out are listed under "skipped").
 """
 from __future__ import annotations
 
 import argparse
 import math
+import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +54,12 @@ PREFILL_CASES = {  # name: (query lengths, cached lengths)
 }
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
+TIME_BUDGET_S = 100  # tools/gpu_check.sh kills the benchmark at 120 s
+# Part 2: Qwen2.5-0.5B's shape (494M parameters, 136M of them the tied embedding / LM head).
+E2E_CONFIG = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True)
+E2E_BATCH, E2E_CONTEXT, E2E_WARMUP, E2E_STEPS = 64, 1984, 8, 32  # contexts 1985 .. 2024: the 2,048-key graphs
 ROTATE_BYTES = 512 << 20  # input copies per timing cover at least this much (an H200's L2 is 60 MB)
 DEVICE = torch.device("cuda")
 
@@ -184,9 +202,163 @@ def bench_prefill(shape_name, case) -> dict:
     return row
 
 
+# ---- part 2: the executor end to end ------------------------------------------------------------------
+
+
+def write_random_qwen2(path, config: dict, dtype: torch.dtype = DTYPE, device="cuda", seed: int = 0) -> int:
+    """Writes a Qwen2-architecture checkpoint with random weights (std 0.02, norms 1) to `path`; returns its
+    parameter count. Tensors are drawn on `device` (fast on a GPU) and saved as one safetensors file."""
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config
+
+    Qwen2Config(**config, bos_token_id=0, eos_token_id=config["vocab_size"] - 1,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}).save_pretrained(path)
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    d = h // heads
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(shape, generator=gen, device=device) * 0.02).to(dtype).cpu()
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype)
+
+    weights = {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": ones(h)}
+    if not config.get("tie_word_embeddings", False):
+        weights["lm_head.weight"] = rand(vocab, h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for name, rows in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d)):
+            weights[f"{p}self_attn.{name}_proj.weight"] = rand(rows, h)
+            weights[f"{p}self_attn.{name}_proj.bias"] = rand(rows)
+        weights[f"{p}self_attn.o_proj.weight"] = rand(h, heads * d)
+        weights[f"{p}mlp.gate_proj.weight"] = rand(inter, h)
+        weights[f"{p}mlp.up_proj.weight"] = rand(inter, h)
+        weights[f"{p}mlp.down_proj.weight"] = rand(h, inter)
+        weights[f"{p}input_layernorm.weight"] = ones(h)
+        weights[f"{p}post_attention_layernorm.weight"] = ones(h)
+    save_file(weights, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    return sum(t.numel() for t in weights.values())
+
+
+def decode_floor_bytes(runner, context_lens) -> tuple[int, int]:
+    """(weight bytes, K/V bytes) one decode step over sequences at these context lengths must read: every
+    parameter once (a tied embedding counts once, as the LM head; an untied one is only gathered from, a
+    row per token, so it is left out) and the K and V of every context position of every layer."""
+    model, config = runner.model, runner.config
+    weight = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        weight -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    element = runner.kv_caches[0][0].element_size()
+    kv = int(sum(context_lens)) * config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+    return weight, kv
+
+
+class DecodeLoop:
+    """`batch` sequences decoding from position `context` on, one ModelRunner.execute per step, each fed the
+    token it sampled. Their earlier K/V are whatever the cache holds (the caller fills it): a decode step
+    reads the same bytes whatever they are."""
+
+    def __init__(self, runner, batch: int, context: int, seed: int = 0) -> None:
+        from pagedserve.sampling_params import SamplingParams
+
+        self.runner = runner
+        rng = random.Random(seed)
+        self.tokens = {f"seq{i}": rng.randrange(runner.config.vocab_size) for i in range(batch)}
+        self.position = context  # of each sequence's next token
+        self.tables: dict[str, list[int]] = {rid: [] for rid in self.tokens}
+        self.free = iter(range(runner.num_blocks))
+        self.params = SamplingParams(temperature=0, ignore_eos=True)
+        self.started = False
+
+    def step(self) -> None:
+        from pagedserve.step import ExecuteRequest, ExecuteStep
+
+        block_size = self.runner.block_size
+        requests = []
+        for rid, token in self.tokens.items():
+            table = self.tables[rid]
+            new_blocks = [next(self.free) for _ in range(self.position // block_size + 1 - len(table))]
+            table.extend(new_blocks)
+            requests.append(ExecuteRequest(
+                request_id=rid, token_ids=[token], start_position=self.position, new_block_ids=new_blocks,
+                sample=True, sampling_params=None if self.started else self.params, prompt_len=self.position,
+            ))
+        result = self.runner.execute(ExecuteStep(requests))
+        self.tokens = {rid: result.sampled[rid].token_id for rid in self.tokens}
+        self.started = True
+        self.position += 1
+
+
+def bench_e2e(model_dir, copy_bps: float, enforce_eager: bool, *, batch=E2E_BATCH, context=E2E_CONTEXT,
+              warmup=E2E_WARMUP, steps=E2E_STEPS, device="cuda", dtype="bfloat16") -> dict:
+    """Decode steps per second of a ModelRunner, with CUDA graphs (batch size `batch` captured) or eagerly."""
+    from transformers import AutoConfig
+
+    from executor_svc.model_config import ModelConfig, parse_dtype
+    from executor_svc.model_runner import ModelRunner
+
+    config = ModelConfig.from_hf_config(AutoConfig.from_pretrained(model_dir), None)
+    blocks = batch * -(-(context + warmup + steps + 1) // BLOCK_SIZE) + 8
+    block_bytes = config.kv_bytes_per_token(parse_dtype(dtype)) * BLOCK_SIZE
+    runner = ModelRunner(str(model_dir), dtype=dtype, device=device, block_size=BLOCK_SIZE,
+                         kv_cache_memory=blocks * block_bytes, max_num_seqs=batch, cuda_graph_batch_sizes=[batch],
+                         enforce_eager=enforce_eager)
+    for key_cache, value_cache in runner.kv_caches:  # stands in for the prompts' K/V
+        key_cache.normal_()
+        value_cache.normal_()
+    loop = DecodeLoop(runner, batch, context)
+    for _ in range(warmup):
+        loop.step()
+    contexts = []
+    if device != "cpu":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        contexts.append(loop.position + 1)
+        loop.step()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    step_s = (time.perf_counter() - start) / steps
+    weight_bytes, kv_bytes = decode_floor_bytes(runner, [statistics.mean(contexts)] * batch)
+    floor_s = (weight_bytes + kv_bytes) / copy_bps
+    graphs = runner.decode_graphs
+    row = {"mode": "eager" if enforce_eager else "cuda-graphs", "batch": batch,
+           "contexts": [contexts[0], contexts[-1]], "steps": steps, "attention_backend": runner.attention_backend_name,
+           "graph_replays": graphs.num_replays if graphs is not None else 0, "step_ms": step_s * 1e3,
+           "tokens_per_s": batch / step_s, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+           "floor_ms": floor_s * 1e3, "vs_floor": floor_s / step_s}
+    del loop, runner, graphs
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return row
+
+
+def run_e2e(copy_bps: float) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="qwen-like-") as model_dir:
+        written = time.time()
+        params = write_random_qwen2(model_dir, E2E_CONFIG)
+        print(f"\nexecutor decode, Qwen2.5-0.5B-like random weights ({params / 1e6:.0f}M parameters, written in "
+              f"{time.time() - written:.1f} s), bf16, batch {E2E_BATCH}, contexts from {E2E_CONTEXT + 1}", flush=True)
+        print(f"{'mode':12} {'replays':>7} {'step ms':>8} {'tokens/s':>9} {'floor ms':>8} {'of floor':>8}")
+        for enforce_eager in (False, True):
+            row = bench_e2e(model_dir, copy_bps, enforce_eager)
+            rows.append(row)
+            print(f"{row['mode']:12} {row['graph_replays']:>7} {row['step_ms']:>8.2f} {row['tokens_per_s']:>9.0f} "
+                  f"{row['floor_ms']:>8.2f} {row['vs_floor']:>8.3f}", flush=True)
+    if rows[0]["graph_replays"] != E2E_WARMUP + E2E_STEPS:
+        print(f"  warning: {rows[0]['graph_replays']} graph replays in {E2E_WARMUP + E2E_STEPS} steps: the "
+              "graph figures are (partly) eager", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="headline decode point and one prefill case only")
+    parser.add_argument("--budget", type=float, default=TIME_BUDGET_S,
+                        help="seconds after which the rest of the sweep is skipped")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernel.py: no CUDA device; nothing measured")
@@ -201,11 +373,14 @@ def main(argv=None) -> int:
     copy_bps = copy_bandwidth()
     print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (read + write)", flush=True)
 
-    decode_points = [HEADLINE] if args.quick else [(s, b, c) for s in SHAPES for b in BATCHES for c in CONTEXTS]
-    decode = []
-    print(f"\n{'decode shape':20} {'batch':>5} {'ctx':>5} {'parts':>5} {'us':>9} {'GB/s':>7} {'of copy':>7} "
-          f"{'sdpa us':>9} {'sdpa of copy':>12}")
-    for shape_name, batch, context in decode_points:
+    decode_points = [HEADLINE] if args.quick else [HEADLINE] + [
+        (s, b, c) for s in SHAPES for b in BATCHES for c in CONTEXTS if (s, b, c) != HEADLINE]
+    prefill_points = [("qwen2.5-0.5b-like", "prompt 4096")] if args.quick else [
+        (s, c) for s in SHAPES for c in PREFILL_CASES]
+    decode, prefill, skipped = [], [], []
+
+    def decode_row(point):
+        shape_name, batch, context = point
         row = bench_decode(shape_name, batch, context)
         row["fraction_of_copy"] = row["GBps"] * 1e9 / copy_bps
         row["sdpa_fraction_of_copy"] = row["sdpa_GBps"] * 1e9 / copy_bps
@@ -214,19 +389,38 @@ def main(argv=None) -> int:
               f"{row['GBps']:>7.0f} {row['fraction_of_copy']:>7.2f} {row['sdpa_time_us']:>9.1f} "
               f"{row['sdpa_fraction_of_copy']:>12.2f}", flush=True)
 
-    prefill_points = [("qwen2.5-0.5b-like", "prompt 4096")] if args.quick else [
-        (s, c) for s in SHAPES for c in PREFILL_CASES]
-    prefill = []
+    decode_header = (f"\n{'decode shape':20} {'batch':>5} {'ctx':>5} {'parts':>5} {'us':>9} {'GB/s':>7} "
+                     f"{'of copy':>7} {'sdpa us':>9} {'sdpa of copy':>12}")
+    print(decode_header)
+    decode_row(decode_points[0])  # the headline first, then part 2: both fit the budget whatever follows
+    e2e = run_e2e(copy_bps)
+
+    print(decode_header)
+    for point in decode_points[1:]:
+        if time.time() - started > args.budget:
+            skipped.append({"decode": list(point)})
+            continue
+        decode_row(point)
+
     print(f"\n{'prefill shape':20} {'case':28} {'us':>9} {'TFLOP/s':>8} {'sdpa TFLOP/s':>12}")
     for shape_name, case in prefill_points:
+        if prefill and time.time() - started > args.budget:
+            skipped.append({"prefill": [shape_name, case]})
+            continue
         row = bench_prefill(shape_name, case)
         prefill.append(row)
         sdpa = f"{row['sdpa_TFLOPs']:>12.1f}" if "sdpa_TFLOPs" in row else f"{'-':>12}"
         print(f"{shape_name:20} {case:28} {row['time_us']:>9.1f} {row['TFLOPs']:>8.1f} {sdpa}", flush=True)
+    if skipped:
+        print(f"\nskipped for time (budget {args.budget:.0f} s): {len(skipped)} points", flush=True)
 
-    headline = next(r for r in decode if (r["shape"], r["batch"], r["context"]) == HEADLINE)
+    headline = decode[0]
+    graphs, eager = e2e
     ratios = {"decode_vs_copy_bw": round(headline["fraction_of_copy"], 4),
-              "decode_vs_sdpa_time": round(headline["sdpa_time_us"] / headline["time_us"], 4)}
+              "decode_vs_sdpa_time": round(headline["sdpa_time_us"] / headline["time_us"], 4),
+              "decode_e2e_vs_floor_graphs": round(graphs["vs_floor"], 4),
+              "decode_e2e_vs_floor_eager": round(eager["vs_floor"], 4),
+              "decode_e2e_graphs_speedup": round(eager["step_ms"] / graphs["step_ms"], 4)}
     metrics = {
         "device": torch.cuda.get_device_name(),
         "dtype": "bfloat16",
@@ -237,11 +431,16 @@ def main(argv=None) -> int:
         "timing": "CUDA graph of 10 calls (5 for prefill), median of 7 replays after 3 warm-up calls",
         "decode": decode,
         "prefill": prefill,
+        "e2e_timing": f"ModelRunner.execute, {E2E_WARMUP} warm-up steps then {E2E_STEPS} timed, wall clock",
+        "e2e_config": E2E_CONFIG,
+        "decode_e2e": e2e,
+        "skipped": skipped,
         "elapsed_s": time.time() - started,
     }
     path = write_result("kernel", ratios, metrics)
     print(f"\ndecode_vs_copy_bw at batch 64, context 2048, qwen-like: {ratios['decode_vs_copy_bw']:.3f}; "
-          f"wrote {path} in {metrics['elapsed_s']:.0f} s")
+          f"executor decode vs floor: {ratios['decode_e2e_vs_floor_graphs']:.3f} with CUDA graphs, "
+          f"{ratios['decode_e2e_vs_floor_eager']:.3f} eager; wrote {path} in {metrics['elapsed_s']:.0f} s")
     return 0
 
 

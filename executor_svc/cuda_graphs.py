@@ -119,25 +119,28 @@ def padding_layout(size: int, block_size: int, device: torch.device | str) -> Ba
 
 
 class TorchCudaGraph:
-    """One torch.cuda.CUDAGraph: warm-up on a side stream, capture (torch.cuda.graph, its own side
-    stream) into a memory pool shared by all the runner's graphs, replay on the current stream."""
+    """One torch.cuda.CUDAGraph: warm-up, then capture (torch.cuda.graph) on one side stream, into a memory
+    pool shared by all the runner's graphs; replay on the current stream.
 
-    def __init__(self, pool=None, warmup: int = 2) -> None:
+    Warming up on the capture stream itself also creates CuPy's handle on that stream before capture
+    (cupy_backend caches one per stream), so nothing but launches happens inside the capture."""
+
+    def __init__(self, pool=None, stream: torch.cuda.Stream | None = None, warmup: int = 2) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
+        self.stream = stream if stream is not None else torch.cuda.Stream()
         self.warmup = warmup
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
             for _ in range(self.warmup):  # lazy initialisation (cuBLAS workspaces and the like) stays out of the graph
                 fn()
-        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
             out = fn()
+        torch.cuda.synchronize()
         return out
 
     def replay(self) -> None:
@@ -191,7 +194,7 @@ class DecodeGraphRunner:
         self.context_capacities = tuple(context_capacities)
         if graph_factory is None:
             pool = torch.cuda.graph_pool_handle()
-            graph_factory = functools.partial(TorchCudaGraph, pool)
+            graph_factory = functools.partial(TorchCudaGraph, pool, torch.cuda.Stream(self.device))
         self.graph_factory = graph_factory
         max_size = self.batch_sizes[-1]
         self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=self.device)

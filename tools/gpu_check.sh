@@ -37,6 +37,7 @@ PY
 
 step 60 kernels-check "$PYTHON" tools/kernels_check.py --json "$RESULTS_DIR/kernels_check.json"
 step 270 gpu-tests "$PYTHON" -m pytest tests/gpu -q -m gpu -p no:cacheprovider --junitxml="$RESULTS_DIR/gpu_tests.xml"
+# The benchmark keeps its own 100 s budget (headline point and the executor end to end first, then the sweep).
 step 120 kernel-bench "$PYTHON" bench/kernel.py
 
 if [ "$status" -eq 0 ]; then verdict=passed; else verdict=FAILED; fi

@@ -3,7 +3,8 @@
 Random-weight Llama and Qwen2 checkpoints are written here (head sizes the kernels implement: 64 and 128;
 GQA ratios 2 and 7). bfloat16: logits of every step of a mixed batch (a fresh prompt, a prompt fed in
 chunks, a decoding sequence) within bf16 tolerance of transformers in bf16. float32: greedy tokens equal to
-transformers' choices on the same sequence.
+transformers' choices on the same sequence. The runners capture CUDA graphs, so their decode-only steps
+are graph replays.
 """
 from __future__ import annotations
 
@@ -56,13 +57,12 @@ def model_dir(request, tmp_path_factory):
     return path
 
 
-def cupy_runner(path, dtype: str) -> ModelRunner:
-    runner = ModelRunner(str(path), dtype=dtype, device="cuda", block_size=BLOCK_SIZE, kv_cache_memory=64 << 20)
-    config = runner.config
-    backend = CupyPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5)
-    runner.attention = backend  # build_metadata comes from here, forward from each layer's backend
-    for layer in runner.model.layers:
-        layer.self_attn.backend = backend
+def cupy_runner(path, dtype: str, **kwargs) -> ModelRunner:
+    """The runner with the CuPy backend; decode steps replay CUDA graphs unless enforce_eager=True is passed."""
+    runner = ModelRunner(str(path), dtype=dtype, device="cuda", block_size=BLOCK_SIZE, kv_cache_memory=64 << 20,
+                         attention_backend="cupy", **kwargs)
+    assert runner.attention_backend_name == "cupy" and isinstance(runner.attention, CupyPagedAttention)
+    assert all(layer.self_attn.backend is runner.attention for layer in runner.model.layers)
     return runner
 
 
@@ -114,6 +114,7 @@ def test_bfloat16_logits_match_transformers_at_every_step(model_dir):
             ref = expected[name][progress[name] - 1]
             diff = (logits[name] - ref).abs().max().item()
             assert diff < 0.02 * ref.abs().max().item() + 1e-2, f"{name} at position {progress[name] - 1}: {diff}"
+    assert runner.decode_graphs.num_replays == 2  # the steps where every row is one token
 
 
 def test_float32_greedy_tokens_match_transformers(model_dir):
@@ -139,3 +140,4 @@ def test_float32_greedy_tokens_match_transformers(model_dir):
         prompt_len = len(prompts[rid])
         choices = full[prompt_len - 1 : len(seq) - 1].argmax(-1).tolist()
         assert choices == seq[prompt_len:], rid
+    assert runner.decode_graphs.num_replays == 24
