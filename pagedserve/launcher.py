@@ -102,14 +102,13 @@ class Stack:
                     raise TimeoutError(f"{module} did not report SERVING on {address}") from None
 
     def stop(self, timeout: float = 10.0) -> None:
-        # Front to back, so nothing calls a service that is already gone.
-        for _, process in reversed(self.processes):
+        # Front to back, each gone before the next is told, so that no service is left calling one that
+        # has already stopped (the scheduler finishes its step before the executor goes).
+        for module, process in reversed(self.processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for module, process in reversed(self.processes):
             try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 logger.warning("%s did not stop in time; killing it", module)
                 process.kill()
