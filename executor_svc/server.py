@@ -26,7 +26,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         tier = runner.offload_tier
         return executor_pb2.ExecutorInfo(
             model=self.model_name, model_dir=str(runner.model_dir), model_id=runner.model_id,
-            num_blocks=runner.num_blocks,
+            num_blocks=runner.num_blocks, block_bytes=runner.block_bytes,
             block_size=runner.block_size, max_model_len=runner.max_model_len,
             vocab_size=runner.config.vocab_size, eos_token_ids=list(runner.eos_token_ids),
             attention_backend=runner.attention_backend_name, device=str(runner.device),

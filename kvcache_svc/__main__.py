@@ -38,15 +38,16 @@ def main(argv: list[str] | None = None) -> None:
         num_blocks, block_size = info.num_blocks, info.block_size
         model_id = args.model_id or info.model_id
         tier = make_tier_index(info.offload, info.offload_capacity_blocks, info.offload_redis_url)
+        block_bytes = info.block_bytes
     elif args.num_blocks and args.block_size and args.model_id:
         num_blocks, block_size, model_id = args.num_blocks, args.block_size, args.model_id
-        tier = None
+        tier, block_bytes = None, 0
     else:
         parser.error("give --executor, or --num-blocks, --block-size and --model-id")
     service = Service("kvcache_svc", args.host, args.port)
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(KVCacheManager(
         num_blocks, block_size, enable_prefix_caching=not args.no_prefix_caching, model_id=model_id,
-        tier=tier, write_through=args.offload_all,
+        tier=tier, write_through=args.offload_all, block_bytes=block_bytes,
     )), service.server)
     logger.info("block pool: %d blocks of %d tokens", num_blocks, block_size)
     service.serve_until_signalled()

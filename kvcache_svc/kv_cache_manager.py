@@ -25,7 +25,8 @@ from pagedserve.step import BlockRequest, BlockStepRequest, BlockStepResult, Blo
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 model_id: str = "", tier: LocalTierIndex | None = None, write_through: bool = False) -> None:
+                 model_id: str = "", tier: LocalTierIndex | None = None, write_through: bool = False,
+                 block_bytes: int = 0) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -46,6 +47,7 @@ class KVCacheManager:
         self.write_through = write_through and self.tier is not None
         self.tier_hits = 0  # tokens loaded from the tier instead of recomputed
         self.blocks_saved = 0
+        self.block_bytes = block_bytes  # one block's K/V, all layers: for the bytes-moved count
         # Filled while serving one step, handed out with its result.
         self._tier_loads: dict[str, list[BlockTransfer]] = {}
         self._filled: list[BlockTransfer] = []
@@ -229,5 +231,6 @@ class KVCacheManager:
             "evictions": self.block_pool.num_evictions,
             "tier_hits": self.tier_hits,
             "blocks_saved": self.blocks_saved,
+            "bytes_moved": (self.blocks_saved + self.tier_hits // self.block_size) * self.block_bytes,
             **(self.tier.stats() if self.tier is not None else {"tier_index_blocks": 0, "tier_errors": 0}),
         }

@@ -82,6 +82,7 @@ class LLM:
             model_id=self.runner.model_id,
             tier=make_tier_index(offload, offload_host_bytes // self.runner.block_bytes, redis_url or ""),
             write_through=offload_all,
+            block_bytes=self.runner.block_bytes,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

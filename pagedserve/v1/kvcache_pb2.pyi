@@ -66,7 +66,7 @@ class KVCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors")
+    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors", "bytes_moved")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class KVCacheStats(_message.Message):
     TIER_HITS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SAVED_FIELD_NUMBER: _ClassVar[int]
     TIER_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_free_blocks: int
@@ -95,4 +96,5 @@ class KVCacheStats(_message.Message):
     tier_hits: int
     blocks_saved: int
     tier_errors: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ...) -> None: ...
+    bytes_moved: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., bytes_moved: _Optional[int] = ...) -> None: ...

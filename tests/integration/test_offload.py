@@ -56,6 +56,9 @@ def test_evicted_prefix_is_loaded_from_the_tier_not_recomputed(tiny_llama_dir, c
     assert fingerprint(result) == cold_output
     assert llm.runner.blocks_loaded == 3 and llm.runner.failed_loads == 0
     assert llm.block_manager.tier_hits == 3 * BLOCK
+    stats = llm.block_manager.stats()
+    assert stats["bytes_moved"] == (stats["blocks_saved"] + 3) * llm.runner.block_bytes
+    assert llm.runner.bytes_loaded == 3 * llm.runner.block_bytes
     assert llm.runner.num_prefill_tokens - computed_before == 5  # only the suffix was prefilled
     if tier == "redis":
         keys = request.getfixturevalue("redis_server").client.keys("pagedserve:kv:v1:*")

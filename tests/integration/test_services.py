@@ -211,3 +211,18 @@ def test_two_rpcs_per_step_whatever_the_batch_size(stack, client):
     assert steps > 0
     assert after.kv_rpcs - before.kv_rpcs == steps
     assert after.executor_rpcs - before.executor_rpcs == steps
+
+
+def test_shared_prefix_is_served_from_the_cache_and_counted(stack, client):
+    prefix = list(range(1000, 1000 + 64))  # four full blocks
+    before = kv_stats(stack)
+    first = client.generate(build_request(prompt_token_ids=prefix + [5, 6], temperature=0.0, max_tokens=4,
+                                          ignore_eos=True, cache_salt="prefix-test"))
+    middle = kv_stats(stack)
+    second = client.generate(build_request(prompt_token_ids=prefix + [5, 6], temperature=0.0, max_tokens=4,
+                                           ignore_eos=True, cache_salt="prefix-test"))
+    after = kv_stats(stack)
+    assert second.token_ids == first.token_ids
+    assert middle.prefix_cache_hits == before.prefix_cache_hits
+    assert after.prefix_cache_hits - middle.prefix_cache_hits == 64
+    assert after.prefix_cache_queries - middle.prefix_cache_queries == 66

@@ -130,6 +130,7 @@ def test_stats_reports_the_pool():
         "evictions": 0,
         "tier_hits": 0,
         "blocks_saved": 0,
+        "bytes_moved": 0,
         "tier_index_blocks": 0,
         "tier_errors": 0,
     }
