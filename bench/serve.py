@@ -290,7 +290,7 @@ def benchmark_against(address: str, args, server: dict) -> dict:
 
     cache_salt = f"bench-serve-{uuid.uuid4().hex}" if args.cache_salt is None else args.cache_salt
     with GenerateClient(address) as client:
-        info = client.stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=60, wait_for_ready=True)
+        info = client.generation.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=60, wait_for_ready=True)
         vocab_size = min(W_VOCAB_SIZE, info.vocab_size)
         prompts = workload_w(args.num_requests, *W_PROMPT_LEN, vocab_size=vocab_size, seed=args.seed)
         warm_up(client, args.warmup_requests, vocab_size, args.seed, cache_salt)

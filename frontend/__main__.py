@@ -21,10 +21,10 @@ def main(argv: list[str] | None = None) -> None:
     from frontend.server import GenerationServicer, SchedulerLink
 
     scheduler_channel = channel(args.scheduler)
-    stub = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
-    info = stub.GetInfo(scheduler_pb2.SchedulerInfoRequest(), wait_for_ready=True, timeout=args.startup_timeout)
+    scheduler = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
+    info = scheduler.GetInfo(scheduler_pb2.SchedulerInfoRequest(), wait_for_ready=True, timeout=args.startup_timeout)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or info.model_dir)
-    link = SchedulerLink(stub)
+    link = SchedulerLink(scheduler)
     service = Service("frontend", args.host, args.port, max_workers=args.max_streams)
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(link, tokenizer, info), service.server)
     service.serve_until_signalled(on_stop=link.close)

@@ -29,7 +29,7 @@ class SchedulerLink:
     """The frontend's one stream to the scheduler: requests go out, each output goes to its request's queue."""
 
     def __init__(self, scheduler_stub) -> None:
-        self.stub = scheduler_stub
+        self.scheduler = scheduler_stub
         self.pending: dict[str, queue.SimpleQueue] = {}
         self.lock = threading.Lock()
         self.broken: str | None = None
@@ -39,7 +39,7 @@ class SchedulerLink:
     def _connect(self) -> None:
         # wait_for_ready: a scheduler that is restarting is waited for rather than failed at once.
         self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
-        self.stream = self.stub.Connect(self._outgoing_messages(self.outgoing), wait_for_ready=True)
+        self.stream = self.scheduler.Connect(self._outgoing_messages(self.outgoing), wait_for_ready=True)
         self.broken = None
         threading.Thread(target=self._read, args=(self.stream,), name="scheduler-link", daemon=True).start()
 

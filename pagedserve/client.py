@@ -45,10 +45,10 @@ def build_request(prompt=None, *, prompt_token_ids=None, messages=None, request_
 class GenerateClient:
     def __init__(self, address: str) -> None:
         self.channel = channel(address)
-        self.stub = generate_pb2_grpc.GenerationStub(self.channel)
+        self.generation = generate_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[generate_pb2.GenerateResponse]:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.generation.Generate(request, timeout=timeout)
 
     def generate(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> Completion:
         completion = Completion()

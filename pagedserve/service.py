@@ -28,8 +28,8 @@ def wait_until_serving(address: str, timeout: float) -> None:
     """Blocks until the server at address answers its health check with SERVING."""
     with channel(address) as ch:
         grpc.channel_ready_future(ch).result(timeout=timeout)
-        stub = health_pb2_grpc.HealthStub(ch)
-        status = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True).status
+        health_check = health_pb2_grpc.HealthStub(ch)
+        status = health_check.Check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True).status
         if status != health_pb2.HealthCheckResponse.SERVING:
             raise RuntimeError(f"{address} is not serving (status {status})")
 
