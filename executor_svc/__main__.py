@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> None:
         enforce_eager=args.enforce_eager,
     )
     service = Service("executor_svc", args.host, args.port, max_workers=4)
-    executor_pb2_grpc.add_ExecutorServicer_to_server(ExecutorServicer(runner, args.model), service.server)
-    service.serve_until_signalled()
+    servicer = ExecutorServicer(runner, args.model)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
+    service.serve_until_signalled(main_loop=servicer.worker.run)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The executor service: one batched Execute call per engine step."""
 from __future__ import annotations
 
+import queue
 import threading
+from concurrent.futures import Future
 
 from executor_svc.model_runner import ModelRunner
 from executor_svc.offload import HostTier, RedisTier
@@ -9,16 +11,45 @@ from pagedserve.convert import execute_result_to_proto, execute_step_from_proto
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 
 
+class StepWorker:
+    """Runs submitted calls, one at a time, on the thread that calls run().
+
+    torch's OpenMP pool belongs to the thread that uses it: steps on gRPC's worker threads would each
+    bring up a pool of their own beside the one that loaded the model, and the pools' waiting threads
+    would fight over the cores. So the process's main thread runs every step.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def run(self, stopping: threading.Event) -> None:
+        while not stopping.is_set():
+            try:
+                future, fn, args = self.jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:  # handed to the waiting RPC, which reports it
+                    future.set_exception(error)
+
+
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
     def __init__(self, runner: ModelRunner, model_name: str) -> None:
         self.runner = runner
         self.model_name = model_name
-        self.lock = threading.Lock()  # the runner's request state is driven by one step at a time
+        # Steps run one at a time on the thread that loaded the model (see StepWorker).
+        self.worker = StepWorker()
 
     def Execute(self, request, context):
         step = execute_step_from_proto(request)
-        with self.lock:
-            result = self.runner.execute(step)
+        result = self.worker.submit(self.runner.execute, step).result()
         return execute_result_to_proto(result)
 
     def GetInfo(self, request, context):

@@ -56,12 +56,15 @@ class Service:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
 
-    def serve_until_signalled(self, on_stop=None) -> None:
-        """Runs until SIGTERM or SIGINT, then stops accepting calls and shuts down cleanly."""
+    def serve_until_signalled(self, on_stop=None, main_loop=None) -> None:
+        """Runs until SIGTERM or SIGINT, then stops accepting calls and shuts down cleanly. main_loop, if
+        given, runs on this (the main) thread until the stop event is set."""
         stopping = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stopping.set())
         self.start()
+        if main_loop is not None:
+            main_loop(stopping)
         stopping.wait()
         logger.info("%s shutting down", self.name)
         if on_stop is not None:
