@@ -345,3 +345,30 @@ template <int D, int NT> PS_DEVICE void online_softmax(float s[NT][4], float m[2
     }
   }
 }
+
+// Copies one tile of TILE keys [tile_start, tile_start + TILE) of one KV head, K and V, from the paged
+// cache into shared-memory rows of stride LD, zero-filling keys at and past key_end (nothing past the
+// context is read). Vector c of the tile is key c / VECS, columns (c % VECS) * 8..+7: consecutive threads
+// take consecutive 16-byte pieces of a head row, and rows of one block are contiguous, so reads coalesce.
+template <typename T, int D, int LD, int TILE, int THREADS>
+PS_DEVICE void load_kv_tile(T* k_dst, T* v_dst, const T* __restrict__ key_cache,
+                            const T* __restrict__ value_cache, const int* table, int tile_start, int key_end,
+                            int num_kv_heads, int kv_head, int block_size_log2, int tid) {
+  constexpr int VECS = D / 8;
+  const int block_mask = (1 << block_size_log2) - 1;
+#pragma unroll
+  for (int i = 0; i < TILE * VECS / THREADS; ++i) {
+    const int c = tid + i * THREADS;
+    const int key = c / VECS, col = (c % VECS) * 8;
+    const int pos = tile_start + key;
+    if (pos < key_end) {
+      const int block = table[pos >> block_size_log2];
+      const i64 src = ((static_cast<i64>(block) * num_kv_heads + kv_head) << block_size_log2 | (pos & block_mask)) * D + col;
+      cp_async_16(k_dst + key * LD + col, key_cache + src);
+      cp_async_16(v_dst + key * LD + col, value_cache + src);
+    } else {
+      store_zero_16(k_dst + key * LD + col);
+      store_zero_16(v_dst + key * LD + col);
+    }
+  }
+}

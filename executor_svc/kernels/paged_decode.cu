@@ -62,7 +62,6 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
   if (part_start >= context_len) return;  // past this row's context (only with split-K); the reduce skips it
   const int part_end = min(context_len, part_start + partition_size);
   const int* table = block_tables + static_cast<i64>(row) * table_stride;
-  const int block_mask = (1 << block_size_log2) - 1;
 
   T* sq = reinterpret_cast<T*>(dynamic_smem());
   T* sk = sq + DECODE_ROWS * LD;                  // stage s: sk + s * DECODE_TILE * LD
@@ -71,27 +70,11 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
 
-  // Issue the copies of one tile of keys [tile_start, tile_start + 64) into `stage`. Vector c of the tile
-  // is key c / VECS, columns (c % VECS) * 8..+7: consecutive threads take consecutive 16-byte pieces of a
-  // head row, and rows of one block are contiguous, so the reads coalesce.
+  // Copies of keys [tile_start, tile_start + DECODE_TILE) into `stage` (zeros at and past part_end).
   auto load_tile = [&](int stage, int tile_start) {
-    T* k_dst = sk + stage * DECODE_TILE * LD;
-    T* v_dst = sv + stage * DECODE_TILE * LD;
-#pragma unroll
-    for (int i = 0; i < DECODE_TILE * VECS / DECODE_THREADS; ++i) {
-      const int c = tid + i * DECODE_THREADS;
-      const int key = c / VECS, col = (c % VECS) * 8;
-      const int pos = tile_start + key;
-      if (pos < part_end) {
-        const int block = table[pos >> block_size_log2];
-        const i64 src = ((static_cast<i64>(block) * num_kv_heads + kv_head) << block_size_log2 | (pos & block_mask)) * D + col;
-        cp_async_16(k_dst + key * LD + col, key_cache + src);
-        cp_async_16(v_dst + key * LD + col, value_cache + src);
-      } else {
-        store_zero_16(k_dst + key * LD + col);
-        store_zero_16(v_dst + key * LD + col);
-      }
-    }
+    load_kv_tile<T, D, LD, DECODE_TILE, DECODE_THREADS>(sk + stage * DECODE_TILE * LD, sv + stage * DECODE_TILE * LD,
+                                               key_cache, value_cache, table, tile_start, part_end,
+                                               num_kv_heads, kv_head, block_size_log2, tid);
   };
 
   const int num_tiles = (part_end - part_start + DECODE_TILE - 1) / DECODE_TILE;

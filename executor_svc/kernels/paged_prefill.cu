@@ -48,7 +48,6 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
   const int first_pos = context_len - num_queries;                  // position of query 0
   const int key_end = first_pos + (m0 + rows_here - 1) / group + 1;  // keys this CTA's rows can see
   const int* table = block_tables + static_cast<i64>(seq) * table_stride;
-  const int block_mask = (1 << block_size_log2) - 1;
 
   T* sq = reinterpret_cast<T*>(dynamic_smem());
   T* sk = sq + PREFILL_ROWS * LD;  // stage s: sk + s * PREFILL_TILE * LD
@@ -58,25 +57,11 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
 
-  // Copies of keys [tile_start, tile_start + 64) into `stage` (zeros at and past key_end).
+  // Copies of keys [tile_start, tile_start + PREFILL_TILE) into `stage` (zeros at and past key_end).
   auto load_tile = [&](int stage, int tile_start) {
-    T* k_dst = sk + stage * PREFILL_TILE * LD;
-    T* v_dst = sv + stage * PREFILL_TILE * LD;
-#pragma unroll
-    for (int i = 0; i < PREFILL_TILE * VECS / PREFILL_THREADS; ++i) {
-      const int c = tid + i * PREFILL_THREADS;
-      const int key = c / VECS, col = (c % VECS) * 8;
-      const int pos = tile_start + key;
-      if (pos < key_end) {
-        const int block = table[pos >> block_size_log2];
-        const i64 src = ((static_cast<i64>(block) * num_kv_heads + kv_head) << block_size_log2 | (pos & block_mask)) * D + col;
-        cp_async_16(k_dst + key * LD + col, key_cache + src);
-        cp_async_16(v_dst + key * LD + col, value_cache + src);
-      } else {
-        store_zero_16(k_dst + key * LD + col);
-        store_zero_16(v_dst + key * LD + col);
-      }
-    }
+    load_kv_tile<T, D, LD, PREFILL_TILE, PREFILL_THREADS>(sk + stage * PREFILL_TILE * LD, sv + stage * PREFILL_TILE * LD,
+                                               key_cache, value_cache, table, tile_start, key_end,
+                                               num_kv_heads, kv_head, block_size_log2, tid);
   };
 
   // Query rows into sQ, in the same copy group as the first K/V tile. Row r is packed row m0 + r.
