@@ -18,9 +18,11 @@ def _up(args: argparse.Namespace) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    # bfloat16 runs the CUDA kernels on tensor cores; float32 keeps CPU outputs equal to the reference.
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     host, port = args.address.rsplit(":", 1)
     config = StackConfig(
-        model=args.model, device=device, dtype=args.dtype, host=host, port=int(port),
+        model=args.model, device=device, dtype=dtype, host=host, port=int(port),
         kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
@@ -29,7 +31,7 @@ def _up(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
-    print(f"starting pagedserve ({args.model} on {device}, {args.dtype}) ...", flush=True)
+    print(f"starting pagedserve ({args.model} on {device}, {dtype}) ...", flush=True)
     with Stack(config) as stack:
         print(f"pagedserve is serving the Generate API on {stack.address} (Ctrl-C stops it)", flush=True)
         print(f'try: pagedserve generate --chat --temperature 0 "What is the capital of France?"', flush=True)
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     up = commands.add_parser("up", help="start frontend, scheduler, KV-cache and executor services")
     up.add_argument("--model", default="default", help="'default', a Hugging Face directory or a .gguf file")
     up.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
-    up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto: bfloat16 on CUDA, float32 on the CPU")
     up.add_argument("--address", default=DEFAULT_ADDRESS, help="host:port of the public API")
     up.add_argument("--kv-cache-memory", type=int, help="bytes for the KV cache")
     up.add_argument("--max-model-len", type=int)

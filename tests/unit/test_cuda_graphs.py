@@ -134,6 +134,10 @@ def test_pagedserve_up_passes_the_backend(monkeypatch):
     with pytest.raises(Started):
         cli.main(["up", "--device", "cpu"])
     assert seen[-1].attention_backend == "auto" and not seen[-1].enforce_eager
+    assert seen[-1].dtype == "float32"  # auto: float32 on the CPU (bfloat16 on CUDA)
+    with pytest.raises(Started):
+        cli.main(["up", "--device", "cuda"])
+    assert seen[-1].dtype == "bfloat16"
     with pytest.raises(SystemExit):
         cli.main(["up", "--attention-backend", "flash"])
 
