@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache_memory": None, "max_num_batched_tokens": None,
         })
     else:
-        from pagedserve.launcher import Stack, StackConfig
+        from pagedserve.entrypoints.launcher import Stack, StackConfig
 
         config = StackConfig(model=args.model, device=args.device, dtype=args.dtype, port=0,
                              kv_cache_memory=args.kv_cache_memory,

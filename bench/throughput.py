@@ -62,7 +62,7 @@ def run_engine(args, prompts) -> dict:
 
 def run_stack(args, prompts) -> dict:
     from pagedserve.client import GenerateClient, build_request
-    from pagedserve.launcher import Stack, StackConfig
+    from pagedserve.entrypoints.launcher import Stack, StackConfig
 
     config = StackConfig(model=args.model, device=args.device, dtype=args.dtype, port=0,
                          kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)

@@ -10,7 +10,7 @@ def __getattr__(name: str):
     # The offline engine imports every service core; load it only when asked for, so that the
     # foundation (stubs, sampling parameters) imports no service.
     if name in ("LLM", "GenerationResult"):
-        from pagedserve import offline
+        from pagedserve.entrypoints import offline
 
         return getattr(offline, name)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

@@ -45,7 +45,7 @@ def test_backend_choice_on_cuda(llama_dir):
 
 
 def test_greedy_tokens_with_graphs_equal_eager(llama_dir):
-    from pagedserve.offline import LLM
+    from pagedserve.entrypoints.offline import LLM
 
     gen = random.Random(7)
     lengths = (5, 17, 33, 64, 100, 130, 8, 250, 40, 3, 77, 19)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve.client import GenerateClient, build_request
-from pagedserve.launcher import Stack, StackConfig
+from pagedserve.entrypoints.launcher import Stack, StackConfig
 from pagedserve.service import channel
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 

@@ -94,7 +94,7 @@ def test_executor_cli_rejects_cupy_on_cpu(tiny_llama_dir):
 
 
 def test_launcher_passes_backend_and_graph_options_to_the_executor(monkeypatch):
-    from pagedserve.launcher import Stack, StackConfig
+    from pagedserve.entrypoints.launcher import Stack, StackConfig
 
     spawned = {}
     monkeypatch.setattr(Stack, "_spawn", lambda self, module, address, args: spawned.__setitem__(module, args))
@@ -109,8 +109,8 @@ def test_launcher_passes_backend_and_graph_options_to_the_executor(monkeypatch):
 
 
 def test_pagedserve_up_passes_the_backend(monkeypatch):
-    import pagedserve.launcher
-    from pagedserve import cli
+    import pagedserve.entrypoints.launcher
+    from pagedserve.entrypoints import cli
 
     seen = []
 
@@ -127,7 +127,7 @@ def test_pagedserve_up_passes_the_backend(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(pagedserve.launcher, "Stack", FakeStack)
+    monkeypatch.setattr(pagedserve.entrypoints.launcher, "Stack", FakeStack)
     with pytest.raises(Started):
         cli.main(["up", "--device", "cpu", "--attention-backend", "cupy", "--enforce-eager"])
     assert seen[-1].attention_backend == "cupy" and seen[-1].enforce_eager

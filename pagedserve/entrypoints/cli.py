@@ -11,7 +11,7 @@ DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
 def _up(args: argparse.Namespace) -> int:
-    from pagedserve.launcher import Stack, StackConfig
+    from pagedserve.entrypoints.launcher import Stack, StackConfig
 
     device = args.device
     if device == "auto":
