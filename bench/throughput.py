@@ -36,7 +36,7 @@ def run_engine(args, prompts) -> dict:
     def schedule_and_count():
         nonlocal used_total, allocated_total, steps
         step = schedule()
-        used, allocated = llm.scheduler.kv_slot_usage()
+        used, allocated = llm.block_manager.slot_usage()
         used_total += used
         allocated_total += allocated
         steps += 1

@@ -93,38 +93,37 @@ def _transfers_from_proto(messages) -> list[BlockTransfer]:
 # --------------------------------------------------------------------------- scheduler <-> block manager
 
 
+def _block_request_to_proto(r: BlockRequest, out: kvcache_pb2.BlockRequest) -> None:
+    out.request_id, out.num_tokens = r.request_id, r.num_tokens
+    if r.prompt_token_ids is not None:
+        out.prompt_token_ids[:] = r.prompt_token_ids
+        out.cache_salt = r.cache_salt or ""
+    if r.new_token_ids:
+        out.new_token_ids[:] = r.new_token_ids
+
+
 def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockStepRequest:
     out = kvcache_pb2.BlockStepRequest(free_request_ids=request.free_request_ids)
-    for r in request.requests:
-        item = out.requests.add(request_id=r.request_id, num_tokens=r.num_tokens)
-        if r.prompt_token_ids is not None:
-            item.admitted = True
-            item.prompt_token_ids[:] = r.prompt_token_ids
-            item.cache_salt = r.cache_salt or ""
-        if r.new_token_ids:
-            item.new_token_ids[:] = r.new_token_ids
+    for r in request.running:
+        _block_request_to_proto(r, out.running.add())
+    for r in request.waiting:
+        _block_request_to_proto(r, out.waiting.add())
     return out
 
 
 def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> BlockStepRequest:
     return BlockStepRequest(
         free_request_ids=list(message.free_request_ids),
-        requests=[
-            BlockRequest(
-                r.request_id, r.num_tokens,
-                prompt_token_ids=list(r.prompt_token_ids) if r.admitted else None,
-                cache_salt=(r.cache_salt or None) if r.admitted else None,
-                new_token_ids=list(r.new_token_ids) or None,
-            )
-            for r in message.requests
-        ],
+        running=[BlockRequest(r.request_id, r.num_tokens, new_token_ids=list(r.new_token_ids) or None)
+                 for r in message.running],
+        waiting=[BlockRequest(r.request_id, r.num_tokens, prompt_token_ids=list(r.prompt_token_ids),
+                              cache_salt=r.cache_salt or None)
+                 for r in message.waiting],
     )
 
 
 def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStepResult:
-    out = kvcache_pb2.BlockStepResult(
-        failed_request_ids=result.failed_request_ids, num_free_blocks=result.num_free_blocks
-    )
+    out = kvcache_pb2.BlockStepResult(preempted_request_ids=result.preempted_request_ids)
     for request_id, block_ids in result.new_block_ids.items():
         delta = out.deltas[request_id]
         delta.block_ids[:] = block_ids
@@ -139,8 +138,7 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
     return BlockStepResult(
         new_block_ids={rid: list(d.block_ids) for rid, d in message.deltas.items()},
         num_cached_tokens={rid: d.num_cached_tokens for rid, d in message.deltas.items()},
-        failed_request_ids=list(message.failed_request_ids),
-        num_free_blocks=message.num_free_blocks,
+        preempted_request_ids=list(message.preempted_request_ids),
         tier_loads={rid: _transfers_from_proto(d.tier_loads) for rid, d in message.deltas.items() if d.tier_loads},
         saves_before=_transfers_from_proto(message.saves_before),
         saves_after=_transfers_from_proto(message.saves_after),

@@ -19,17 +19,19 @@ from pagedserve.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class BlockRequest:
-    """Slots one request needs by the end of this step."""
+    """One candidate of a step: a running request to grow, or a waiting request to admit."""
 
     request_id: str
-    # Tokens that must have a KV slot once this step has run (computed so far + scheduled now).
+    # Running: tokens that must have a KV slot once this step has run (computed so far + scheduled now;
+    # its current count when the budget left it nothing this step). Waiting: tokens to compute this step,
+    # counted from the end of whatever prefix the block manager finds already cached.
     num_tokens: int
-    # Set when the request is admitted (or re-admitted after preemption): its known tokens, which
-    # the prefix cache hashes to find blocks that are already computed.
+    # Waiting only: its known tokens (prompt, and after a preemption the outputs so far), which the
+    # prefix cache hashes to find blocks that are already computed.
     prompt_token_ids: list[int] | None = None
     cache_salt: str | None = None
-    # For a running request: tokens it gained since the last step (sampled ones), so that the block
-    # manager can name the blocks they fill.
+    # Running only: tokens it gained since the last step (sampled ones), so that the block manager can
+    # name the blocks they fill.
     new_token_ids: list[int] | None = None
 
 
@@ -43,20 +45,23 @@ class BlockTransfer:
 
 @dataclass(slots=True)
 class BlockStepRequest:
-    # Freed first, so their blocks serve this step's requests.
+    # Requests that ended (finished or aborted) since the last step; freed first.
     free_request_ids: list[str] = field(default_factory=list)
-    # Served in order, each all-or-nothing: a request that cannot get all its slots keeps what it had.
-    requests: list[BlockRequest] = field(default_factory=list)
+    # Every running request, highest priority first: served in this order, and preempted from the tail.
+    running: list[BlockRequest] = field(default_factory=list)
+    # Waiting requests to admit, in order, while nobody was preempted and each fits.
+    waiting: list[BlockRequest] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class BlockStepResult:
-    # Block ids appended to each served request's block table this step (a delta, not the table).
+    # Per served request: block ids appended to its table this step (a delta, not the table; on
+    # admission, the whole table). A waiting request is admitted exactly when it has an entry.
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    # For newly admitted requests: leading prompt tokens whose KV is already in the pool.
+    # For admitted requests: leading known tokens whose KV is already computed (pool or tier).
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
-    failed_request_ids: list[str] = field(default_factory=list)
-    num_free_blocks: int = 0
+    # Running requests that gave all their blocks back this step, in the order taken (newest first).
+    preempted_request_ids: list[str] = field(default_factory=list)
     # Offload tier. Per admitted request: blocks (right after its pool hits) to fill from the tier; they
     # are counted in num_cached_tokens.
     tier_loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)

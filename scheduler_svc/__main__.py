@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     executor = executor_pb2_grpc.ExecutorStub(executor_channel)
     kvcache = kvcache_pb2_grpc.KVCacheStub(kvcache_channel)
     info = executor.GetInfo(executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=args.startup_timeout)
-    pool = kvcache.GetStats(kvcache_pb2.KVCacheStatsRequest(), wait_for_ready=True, timeout=args.startup_timeout)
+    # The pool must be up before the first step; its size is the block manager's business alone.
+    kvcache.GetStats(kvcache_pb2.KVCacheStatsRequest(), wait_for_ready=True, timeout=args.startup_timeout)
     chunked = not args.no_chunked_prefill
     config = SchedulerConfig(
         block_size=info.block_size, max_num_seqs=args.max_num_seqs,
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         max_model_len=info.max_model_len, enable_chunked_prefill=chunked,
     )
     backends = RemoteBackends(kvcache, executor)
-    scheduler = Scheduler(config, backends.allocate_blocks, num_free_blocks=pool.num_free_blocks)
+    scheduler = Scheduler(config, backends.allocate_blocks)
     servicer = SchedulerServicer(
         scheduler, backends, tuple(info.eos_token_ids),
         scheduler_pb2.SchedulerInfo(model=info.model, model_dir=info.model_dir,

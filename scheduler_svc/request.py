@@ -1,4 +1,5 @@
-"""A request as the scheduler tracks it: its tokens, how many have K/V computed, and its blocks."""
+"""A request as the scheduler tracks it: its tokens and how many of them have K/V computed (its blocks are
+the block manager's to count)."""
 from __future__ import annotations
 
 import enum
@@ -16,8 +17,8 @@ class RequestStatus(enum.Enum):
 class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
-        "output_token_ids", "output_logprobs", "num_computed_tokens", "num_blocks", "status",
-        "finish_reason", "executor_has_state", "num_preemptions", "cache_salt", "num_tokens_sent_to_kv",
+        "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
+        "num_preemptions", "cache_salt", "num_tokens_sent_to_kv",
     )
 
     def __init__(
@@ -42,10 +43,8 @@ class Request:
         # Tokens whose K/V is in the cache (or scheduled this step): the scheduler's only notion of
         # progress; there are no prefill/decode phases, only catching up to num_tokens.
         self.num_computed_tokens = 0
-        self.num_blocks = 0  # blocks the block manager holds for this request
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.executor_has_state = False
         self.num_preemptions = 0
         self.cache_salt = cache_salt
         self.num_tokens_sent_to_kv = 0  # the block manager knows this many of its tokens

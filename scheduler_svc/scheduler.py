@@ -1,18 +1,18 @@
-"""Continuous batching: which requests run this step, how many tokens each, and who gets preempted.
+"""Continuous batching: which requests run this step and how many tokens each. The policy lives here;
+the block arithmetic lives in the block manager.
 
 Each step spends a token budget. Running requests come first, in admission order: a decode costs one
-token, a partial prefill the next chunk of its prompt. Waiting requests are admitted, FCFS, with what
-budget is left (a long prompt gets a chunk now and the rest in later steps), unless a request was preempted
-this step. When the pool cannot give a running request its next block, the newest running request gives
-all of its blocks back and returns to the head of the waiting queue, to be recomputed later (its output
-does not change: it resumes from the tokens it already has).
-
-Blocks are counted here from the free count the block manager reported after the previous step, so that
-the step needs exactly one call to it; the block manager stays the authority and may still refuse a
-request, which is then preempted like any other.
+token, a partial prefill the next chunk of its prompt. Waiting requests are offered for admission, FCFS,
+with what budget is left (a long prompt gets a chunk now and the rest in later steps). The step goes to
+the block manager as one call with every running request in priority order and the waiting candidates;
+it grows the running ones in order and, when the pool runs short, preempts from the tail (the newest
+running request gives all of its blocks back and returns to the head of the waiting queue, to be
+recomputed later: its output does not change, since it resumes from the tokens it already has). The
+scheduler never counts blocks itself.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,19 +53,12 @@ class SchedulerConfig:
 class _Scheduled:
     request: Request
     num_new_tokens: int
-    admitted: bool  # newly admitted this step (its prompt goes to the block manager for prefix lookup)
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        allocate_blocks: Callable[[BlockStepRequest], BlockStepResult],
-        num_free_blocks: int,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, allocate_blocks: Callable[[BlockStepRequest], BlockStepResult]) -> None:
         self.config = config
         self.allocate_blocks = allocate_blocks
-        self.num_free_blocks = num_free_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -111,62 +104,41 @@ class Scheduler:
 
     def schedule(self) -> ExecuteStep:
         budget = self.config.max_num_batched_tokens
-        free_blocks = self.num_free_blocks
-        scheduled: list[_Scheduled] = []
-        preempted_now = False
-
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        running: list[_Scheduled] = []
+        for request in self.running:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            needed = self._blocks_needed(request, num_new)
-            while needed > free_blocks:
-                victim = self.running.pop()
-                free_blocks += victim.num_blocks
-                self._preempt(victim)
-                preempted_now = True
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                break
-            free_blocks -= needed
-            scheduled.append(_Scheduled(request, num_new, admitted=False))
+            running.append(_Scheduled(request, num_new))
             budget -= num_new
-            index += 1
-
-        while (
-            self.waiting and budget > 0 and not preempted_now
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
+        waiting: list[_Scheduled] = []
+        room = self.config.max_num_seqs - len(self.running)
+        for request in itertools.islice(self.waiting, max(room, 0)):
             num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            if budget <= 0 or (num_new > budget and not self.config.enable_chunked_prefill):
                 break
-            num_new = min(num_new, budget)
-            needed = self._blocks_needed(request, num_new)
-            if needed > free_blocks:
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            free_blocks -= needed
-            scheduled.append(_Scheduled(request, num_new, admitted=True))
-            budget -= num_new
+            waiting.append(_Scheduled(request, min(num_new, budget)))
+            budget -= waiting[-1].num_new_tokens
 
         blocks = self.allocate_blocks(BlockStepRequest(
-            free_request_ids=self.pending_frees, requests=[self._block_request(s) for s in scheduled]
+            free_request_ids=self.pending_frees,
+            running=[self._grow_request(s) for s in running],
+            waiting=[self._admit_request(s) for s in waiting],
         ))
-        finished_ids, self.pending_frees = self.pending_frees, []
-        self.num_free_blocks = blocks.num_free_blocks
-        refused = set(blocks.failed_request_ids)
-        for s in scheduled:
-            if s.request.request_id in refused:
-                self._refused(s)
-        # A running request refused here is preempted; the blocks it still holds go back in the next
-        # step's call.
-        requests = [self._execute_request(s, blocks) for s in scheduled if s.request.request_id not in refused]
+        executor_frees, self.pending_frees = self.pending_frees, []
+        admitted = [s for s in waiting if s.request.request_id in blocks.new_block_ids]
+        for s in admitted:
+            self.waiting.remove(s.request)
+            s.request.status = RequestStatus.RUNNING
+            self.running.append(s.request)
+        preempted = set(blocks.preempted_request_ids)
+        for request_id in blocks.preempted_request_ids:
+            self._preempt(self.requests[request_id])
+        executor_frees += blocks.preempted_request_ids
+        requests = [
+            self._execute_request(s, blocks, admitted=False) for s in running
+            if s.num_new_tokens > 0 and s.request.request_id not in preempted
+        ] + [self._execute_request(s, blocks, admitted=True) for s in admitted]
         return ExecuteStep(
-            requests=requests, finished_request_ids=finished_ids,
+            requests=requests, finished_request_ids=executor_frees,
             save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
         )
 
@@ -185,82 +157,61 @@ class Scheduler:
             outputs.append(self._output(request, [token.token_id], logprobs))
         return outputs
 
-    # ------------------------------------------------------------------ accounting
-
-    def kv_slot_usage(self) -> tuple[int, int]:
-        """(slots holding computed or scheduled tokens, slots allocated) over running requests."""
-        used = sum(r.num_computed_tokens for r in self.running)
-        allocated = sum(r.num_blocks for r in self.running) * self.config.block_size
-        return used, allocated
-
-    def _blocks_needed(self, request: Request, num_new: int) -> int:
-        total = request.num_computed_tokens + num_new
-        return max(0, -(-total // self.config.block_size) - request.num_blocks)
+    # ------------------------------------------------------------------ messages
 
     @staticmethod
-    def _block_request(s: _Scheduled) -> BlockRequest:
+    def _grow_request(s: _Scheduled) -> BlockRequest:
         request = s.request
         known, sent = request.num_tokens, request.num_tokens_sent_to_kv
         request.num_tokens_sent_to_kv = known
-        if s.admitted:
-            return BlockRequest(
-                request.request_id, s.num_new_tokens,
-                prompt_token_ids=request.token_ids(0, known), cache_salt=request.cache_salt,
-            )
         return BlockRequest(
             request.request_id, request.num_computed_tokens + s.num_new_tokens,
             new_token_ids=request.token_ids(sent, known) if known > sent else None,
         )
 
-    def _execute_request(self, s: _Scheduled, blocks: BlockStepResult) -> ExecuteRequest:
+    @staticmethod
+    def _admit_request(s: _Scheduled) -> BlockRequest:
         request = s.request
-        new_block_ids = blocks.new_block_ids.get(request.request_id, [])
-        request.num_blocks += len(new_block_ids)
-        loads = blocks.tier_loads.get(request.request_id, []) if s.admitted else []
-        if s.admitted:
+        return BlockRequest(
+            request.request_id, s.num_new_tokens,
+            prompt_token_ids=request.token_ids(0, request.num_tokens), cache_salt=request.cache_salt,
+        )
+
+    def _execute_request(self, s: _Scheduled, blocks: BlockStepResult, admitted: bool) -> ExecuteRequest:
+        request = s.request
+        loads = blocks.tier_loads.get(request.request_id, []) if admitted else []
+        if admitted:
             # The block manager found this many leading tokens computed already (in the pool, or in the
             # offload tier for the last len(loads) blocks of them): the step starts after them.
             request.num_computed_tokens = blocks.num_cached_tokens.get(request.request_id, 0)
+            request.num_tokens_sent_to_kv = request.num_tokens
         end = min(request.num_computed_tokens + s.num_new_tokens, request.num_tokens)
         # Tokens of blocks to load travel too, so that the executor can compute them if a load fails.
         start = request.num_computed_tokens - len(loads) * self.config.block_size
-        first_time = not request.executor_has_state
-        request.executor_has_state = True
         request.num_computed_tokens = end
         return ExecuteRequest(
             request_id=request.request_id,
             token_ids=request.token_ids(start, end),
             start_position=start,
-            new_block_ids=new_block_ids,
+            new_block_ids=blocks.new_block_ids[request.request_id],
             sample=end == request.num_tokens,
-            sampling_params=request.sampling_params if first_time else None,
-            prompt_len=len(request.prompt_token_ids) if first_time else 0,
+            # The executor (re)creates its state for a request it sees for the first time since admission.
+            sampling_params=request.sampling_params if admitted else None,
+            prompt_len=len(request.prompt_token_ids) if admitted else 0,
             load_blocks=loads,
         )
 
-    def _refused(self, s: _Scheduled) -> None:
-        request = s.request
-        self.running.remove(request)
-        if s.admitted:
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
-        else:
-            self._preempt(request)
-
     def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_tokens_sent_to_kv = 0
-        request.num_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        request.executor_has_state = False
-        self.pending_frees.append(request.request_id)
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
-        self.num_free_blocks += request.num_blocks
         self.pending_frees.append(request.request_id)
         del self.requests[request.request_id]
 

@@ -91,7 +91,6 @@ class LLM:
                 max_model_len=context_len, enable_chunked_prefill=enable_chunked_prefill,
             ),
             self.block_manager.step,
-            num_free_blocks=self.runner.num_blocks,
         )
         self.eos_token_ids = self.runner.eos_token_ids
         self._request_ids = itertools.count()

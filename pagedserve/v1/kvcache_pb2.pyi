@@ -7,28 +7,28 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BlockRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "prompt_token_ids", "admitted", "cache_salt", "new_token_ids")
+    __slots__ = ("request_id", "num_tokens", "prompt_token_ids", "cache_salt", "new_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    admitted: bool
     cache_salt: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., admitted: bool = ..., cache_salt: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStepRequest(_message.Message):
-    __slots__ = ("free_request_ids", "requests")
+    __slots__ = ("free_request_ids", "running", "waiting")
     FREE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     free_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    requests: _containers.RepeatedCompositeFieldContainer[BlockRequest]
-    def __init__(self, free_request_ids: _Optional[_Iterable[str]] = ..., requests: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
+    running: _containers.RepeatedCompositeFieldContainer[BlockRequest]
+    waiting: _containers.RepeatedCompositeFieldContainer[BlockRequest]
+    def __init__(self, free_request_ids: _Optional[_Iterable[str]] = ..., running: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
 
 class BlockDelta(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "tier_loads")
@@ -41,7 +41,7 @@ class BlockDelta(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., tier_loads: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class BlockStepResult(_message.Message):
-    __slots__ = ("deltas", "failed_request_ids", "num_free_blocks", "saves_before", "saves_after")
+    __slots__ = ("deltas", "preempted_request_ids", "saves_before", "saves_after")
     class DeltasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,23 +50,21 @@ class BlockStepResult(_message.Message):
         value: BlockDelta
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[BlockDelta, _Mapping]] = ...) -> None: ...
     DELTAS_FIELD_NUMBER: _ClassVar[int]
-    FAILED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SAVES_BEFORE_FIELD_NUMBER: _ClassVar[int]
     SAVES_AFTER_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.MessageMap[str, BlockDelta]
-    failed_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    num_free_blocks: int
+    preempted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     saves_before: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     saves_after: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
-    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., num_free_blocks: _Optional[int] = ..., saves_before: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., saves_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
+    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., saves_before: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., saves_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class KVCacheStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors", "bytes_moved")
+    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors", "bytes_moved", "num_preemptions")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +80,7 @@ class KVCacheStats(_message.Message):
     BLOCKS_SAVED_FIELD_NUMBER: _ClassVar[int]
     TIER_ERRORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_free_blocks: int
@@ -97,4 +96,5 @@ class KVCacheStats(_message.Message):
     blocks_saved: int
     tier_errors: int
     bytes_moved: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., bytes_moved: _Optional[int] = ...) -> None: ...
+    num_preemptions: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...

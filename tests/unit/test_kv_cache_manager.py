@@ -1,3 +1,5 @@
+"""The block manager's step: running requests grown in order and preempted from the tail, waiting requests
+admitted in order; every block accounted for."""
 from __future__ import annotations
 
 import pytest
@@ -18,106 +20,73 @@ def test_rejects_bad_arguments_by_name(kwargs, name):
         KVCacheManager(**kwargs)
 
 
-def test_allocate_returns_only_the_new_blocks():
-    manager = KVCacheManager(num_blocks=8, block_size=16)
-    assert manager.num_blocks_needed("a", 1) == 1
-    assert manager.allocate("a", 1) == [0]
-    assert manager.num_blocks_needed("a", 16) == 0
-    assert manager.allocate("a", 16) == []
-    assert manager.allocate("a", 17) == [1]
-    assert manager.allocate("a", 10) == []  # shrinking never gives blocks back
-    assert manager.allocate("b", 33) == [2, 3, 4]
-    assert manager.block_ids("a") == [0, 1]
-    assert manager.block_ids("b") == [2, 3, 4]
+def admit(request_id: str, num_tokens: int, prompt: list[int] | None = None, **kwargs) -> BlockRequest:
+    return BlockRequest(request_id, num_tokens, prompt_token_ids=prompt or list(range(num_tokens)), **kwargs)
+
+
+def test_growth_returns_only_the_new_blocks():
+    manager = KVCacheManager(num_blocks=8, block_size=16, enable_prefix_caching=False)
+    first = manager.step(BlockStepRequest(waiting=[admit("a", 1)]))
+    assert (first.new_block_ids, first.num_cached_tokens) == ({"a": [0]}, {"a": 0})
+    grow = lambda n: manager.step(BlockStepRequest(running=[BlockRequest("a", n)])).new_block_ids["a"]
+    assert grow(16) == []
+    assert grow(17) == [1]
+    assert grow(10) == []  # shrinking never gives blocks back
+    assert manager.step(BlockStepRequest(waiting=[admit("b", 33)])).new_block_ids == {"b": [2, 3, 4]}
+    assert manager.block_ids("a") == [0, 1] and manager.block_ids("b") == [2, 3, 4]
     assert (manager.num_requests, manager.num_free_blocks, manager.usage) == (2, 3, 5 / 8)
-
-
-def test_admission_with_zero_tokens_registers_the_request():
-    manager = KVCacheManager(num_blocks=2, block_size=4)
-    assert manager.allocate("a", 0) == []
-    assert manager.num_requests == 1
-    assert manager.block_ids("a") == []
-
-
-def test_failed_allocation_changes_nothing():
-    manager = KVCacheManager(num_blocks=4, block_size=16)
-    manager.allocate("a", 40)  # 3 blocks
-    before = manager.stats()
-    assert not manager.can_allocate("a", 80)
-    assert manager.allocate("a", 80) is None  # needs 2 more, 1 free
-    assert manager.allocate("b", 17) is None
-    assert manager.stats() == before
-    assert manager.block_ids("a") == [0, 1, 2]
-    assert manager.block_ids("b") == []
-    # The failed growth did not raise the request's slotted token count either.
-    assert manager.can_grow_all(["a"])
-    assert manager.can_allocate("a", 64)
-
-
-def test_free_returns_blocks_and_is_idempotent():
-    manager = KVCacheManager(num_blocks=4, block_size=16)
-    manager.allocate("a", 48)
-    manager.free("a")
-    assert (manager.num_free_blocks, manager.num_requests, manager.block_ids("a")) == (4, 0, [])
-    manager.free("a")
-    manager.free("never-seen")
-    assert manager.num_free_blocks == 4
-    # A freed id is admitted again from scratch; its blocks went back last-first, behind the never-used one.
-    assert manager.allocate("a", 64) == [3, 2, 1, 0]
-
-
-def test_can_grow_all_counts_requests_whose_last_block_is_full():
-    manager = KVCacheManager(num_blocks=4, block_size=4)
-    manager.allocate("full", 4)  # last block full: needs a new one to append
-    manager.allocate("room", 5)  # 3 of 8 slots free in its last block
-    assert manager.num_free_blocks == 1
-    assert manager.can_grow_all(["full", "room"])
-    assert manager.can_grow_all(["new"])  # holds no block: needs one
-    assert not manager.can_grow_all(["full", "new"])
-    manager.allocate("room", 8)
-    assert not manager.can_grow_all(["full", "room"])
-    assert manager.can_grow_all([])
+    assert manager.slot_usage() == (17 + 33, 5 * 16)
 
 
 def test_step_frees_before_it_allocates():
     manager = KVCacheManager(num_blocks=3, block_size=16)
-    manager.allocate("a", 48)
-    result = manager.step(BlockStepRequest(free_request_ids=["a"], requests=[BlockRequest("b", 48)]))
-    assert result.failed_request_ids == []
-    assert sorted(result.new_block_ids["b"]) == [0, 1, 2]
-    assert result.num_free_blocks == 0
+    manager.step(BlockStepRequest(waiting=[admit("a", 48)]))
+    result = manager.step(BlockStepRequest(free_request_ids=["a", "never-seen"], waiting=[admit("b", 48, [7] * 48)]))
+    assert sorted(result.new_block_ids["b"]) == [0, 1, 2] and result.preempted_request_ids == []
     assert manager.block_ids("a") == []
 
 
-def test_step_serves_in_order_reports_failures_and_returns_deltas():
-    manager = KVCacheManager(num_blocks=4, block_size=16)
-    first = manager.step(BlockStepRequest(requests=[BlockRequest("a", 16, prompt_token_ids=list(range(16)))]))
-    assert first.new_block_ids == {"a": [0]}
-    assert first.num_cached_tokens == {"a": 0}
-    assert first.num_free_blocks == 3
+def test_short_pool_preempts_the_tail_of_the_running_list():
+    manager = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    manager.step(BlockStepRequest(waiting=[admit("old", 4), admit("mid", 4), admit("new", 4)]))
+    assert manager.num_free_blocks == 1
+    # old and mid each need a block; only one is free: the newest running request gives its block back.
+    result = manager.step(BlockStepRequest(running=[BlockRequest("old", 5), BlockRequest("mid", 5), BlockRequest("new", 4)]))
+    assert result.preempted_request_ids == ["new"]
+    assert result.new_block_ids == {"old": [3], "mid": [2]}
+    assert manager.num_free_blocks == 0 and manager.num_requests == 2
+    # Nobody is admitted in a step that preempted, even if a block came free.
+    manager.step(BlockStepRequest(free_request_ids=["mid"]))
+    result = manager.step(BlockStepRequest(running=[BlockRequest("old", 20)], waiting=[admit("w", 1)]))
+    assert result.preempted_request_ids == ["old"] and result.new_block_ids == {}
+    assert manager.num_free_blocks == 4 and manager.num_requests == 0
 
-    result = manager.step(
-        BlockStepRequest(
-            requests=[
-                BlockRequest("a", 16),  # no new slot needed: an empty delta, still reported
-                BlockRequest("b", 40, prompt_token_ids=list(range(40)), cache_salt="tenant"),  # 3 blocks
-                BlockRequest("c", 1, prompt_token_ids=[7]),  # pool is empty by now
-                BlockRequest("a", 17),
-            ]
-        )
-    )
-    assert result.new_block_ids == {"a": [], "b": [1, 2, 3]}
-    assert result.num_cached_tokens == {"b": 0}  # only admissions carry a cached count
-    assert result.failed_request_ids == ["c", "a"]
-    assert result.num_free_blocks == 0
+
+def test_a_request_too_big_to_grow_preempts_itself_last():
+    manager = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    manager.step(BlockStepRequest(waiting=[admit("a", 4), admit("b", 4)]))
+    result = manager.step(BlockStepRequest(running=[BlockRequest("a", 4), BlockRequest("b", 13)]))
+    # b needs 3 more blocks; freeing b itself is all the tail can give: a keeps its table.
+    assert result.preempted_request_ids == ["b"] and result.new_block_ids == {"a": []}
     assert manager.block_ids("a") == [0]
-    assert manager.block_ids("c") == []
-    assert manager.num_requests == 2
+
+
+def test_admission_stops_at_the_first_waiting_request_that_does_not_fit():
+    manager = KVCacheManager(num_blocks=4, block_size=16)
+    result = manager.step(BlockStepRequest(waiting=[admit("a", 40), admit("big", 40, [5] * 40), admit("c", 1, [9])]))
+    assert result.new_block_ids == {"a": [0, 1, 2]}  # c would fit, but FCFS: it waits behind big
+    assert manager.num_requests == 1
+
+
+def test_an_unknown_running_request_is_preempted_to_be_recomputed():
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    result = manager.step(BlockStepRequest(running=[BlockRequest("lost", 9)], waiting=[admit("w", 2)]))
+    assert result.preempted_request_ids == ["lost"] and result.new_block_ids == {}
 
 
 def test_stats_reports_the_pool():
     manager = KVCacheManager(num_blocks=4, block_size=8)
-    manager.allocate("a", 9)
+    manager.step(BlockStepRequest(waiting=[admit("a", 9)]))
     assert manager.stats() == {
         "num_blocks": 4,
         "num_free_blocks": 2,
@@ -125,7 +94,8 @@ def test_stats_reports_the_pool():
         "num_cached_evictable": 0,
         "num_requests": 1,
         "usage": 0.5,
-        "prefix_cache_queries": 0,
+        "num_preemptions": 0,
+        "prefix_cache_queries": 9,
         "prefix_cache_hits": 0,
         "evictions": 0,
         "tier_hits": 0,
@@ -137,7 +107,7 @@ def test_stats_reports_the_pool():
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["allocate", "free", "step"]), st.sampled_from("abcde"), st.integers(0, 70)),
+    st.tuples(st.sampled_from(["admit", "grow", "free"]), st.sampled_from("abcde"), st.integers(1, 70)),
     max_size=40,
 )
 
@@ -145,21 +115,28 @@ ops = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(ops=ops)
 def test_random_requests_never_share_or_lose_blocks(ops):
-    manager = KVCacheManager(num_blocks=10, block_size=8)
+    manager = KVCacheManager(num_blocks=10, block_size=8, enable_prefix_caching=False)
+    running: list[str] = []  # admission order
     for op, request_id, num_tokens in ops:
-        before = manager.block_ids(request_id)
-        if op == "allocate":
-            new = manager.allocate(request_id, num_tokens)
-            assert manager.block_ids(request_id) == (before if new is None else before + new)
-        elif op == "free":
-            manager.free(request_id)
-        else:
-            result = manager.step(BlockStepRequest(requests=[BlockRequest(request_id, num_tokens)]))
-            assert (request_id in result.failed_request_ids) != (request_id in result.new_block_ids)
-            assert result.num_free_blocks == manager.num_free_blocks
+        if op == "free":
+            manager.step(BlockStepRequest(free_request_ids=[request_id]))
+            running = [r for r in running if r != request_id]
+        elif op == "admit" and request_id not in running:
+            result = manager.step(BlockStepRequest(waiting=[admit(request_id, num_tokens)]))
+            if request_id in result.new_block_ids:
+                running.append(request_id)
+        elif op == "grow" and request_id in running:
+            before = manager.block_ids(request_id)
+            result = manager.step(BlockStepRequest(running=[BlockRequest(r, num_tokens if r == request_id else 0)
+                                                            for r in running]))
+            # Victims come off the tail, newest first, and only as many as the growth needed.
+            victims = result.preempted_request_ids
+            assert victims == running[len(running) - len(victims):][::-1]
+            running = running[: len(running) - len(victims)]
+            if request_id in running:
+                assert manager.block_ids(request_id) == before + result.new_block_ids[request_id]
         tables = [manager.block_ids(rid) for rid in "abcde"]
         held = [block_id for table in tables for block_id in table]
         assert len(held) == len(set(held))
         assert len(held) + manager.num_free_blocks == manager.num_blocks
-        for rid, table in zip("abcde", tables):
-            assert len(table) == -(-manager.num_tokens.get(rid, 0) // manager.block_size)
+        assert sorted(running) == sorted(manager.requests)

@@ -54,10 +54,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         tokens = self.prefixes[prefix][: 4 + len(suffix)] + suffix
-        result = self.manager.step(BlockStepRequest(requests=[
+        result = self.manager.step(BlockStepRequest(waiting=[
             BlockRequest(request_id, chunk, prompt_token_ids=tokens, cache_salt=salt)
         ]))
-        if request_id in result.failed_request_ids:
+        if request_id not in result.new_block_ids:
             assert self.manager.block_ids(request_id) == []
             return
         cached = result.num_cached_tokens[request_id]
@@ -83,11 +83,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             new_tokens = [data.draw(st.integers(0, 49))]
             tokens.extend(new_tokens)
         end = min(start + data.draw(st.integers(1, 6)), len(tokens))
-        result = self.manager.step(BlockStepRequest(requests=[
+        result = self.manager.step(BlockStepRequest(running=[
             BlockRequest(request_id, end, new_token_ids=new_tokens or None)
         ]))
-        if request_id in result.failed_request_ids:
-            self.finish_request(request_id)
+        if result.preempted_request_ids == [request_id]:
+            assert self.manager.block_ids(request_id) == []
+            del self.computed[request_id], self.tokens[request_id]
             return
         self._write(request_id, start, end)
         self.computed[request_id] = end

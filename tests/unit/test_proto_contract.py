@@ -39,11 +39,12 @@ def test_generated_stubs_are_not_stale(tmp_path):
 def test_block_step_round_trip():
     request = BlockStepRequest(
         free_request_ids=["gone"],
-        requests=[BlockRequest("a", 17, prompt_token_ids=[1, 2, 3], cache_salt="tenant"), BlockRequest("b", 5)],
+        running=[BlockRequest("b", 5, new_token_ids=[9]), BlockRequest("c", 8)],
+        waiting=[BlockRequest("a", 17, prompt_token_ids=[1, 2, 3], cache_salt="tenant")],
     )
     assert convert.block_step_request_from_proto(convert.block_step_request_to_proto(request)) == request
     result = BlockStepResult(
-        {"a": [4, 5], "b": []}, {"a": 32, "b": 0}, ["c"], 9,
+        {"a": [4, 5], "b": []}, {"a": 32, "b": 0}, ["c"],
         tier_loads={"a": [BlockTransfer(4, b"\x01" * 32)]},
         saves_before=[BlockTransfer(7, b"\x02" * 32)], saves_after=[BlockTransfer(5, b"\x03" * 32)],
     )

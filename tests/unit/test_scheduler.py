@@ -73,7 +73,7 @@ class CheckingExecutor:
 def make_engine(num_blocks: int, block_size: int = 4, **config):
     block_manager = KVCacheManager(num_blocks, block_size)
     config.setdefault("max_model_len", 512)
-    scheduler = Scheduler(SchedulerConfig(block_size=block_size, **config), block_manager.step, num_blocks)
+    scheduler = Scheduler(SchedulerConfig(block_size=block_size, **config), block_manager.step)
     return scheduler, block_manager, CheckingExecutor(block_manager, block_size)
 
 
@@ -90,9 +90,8 @@ def run_to_completion(scheduler, executor, block_manager, max_steps: int = 10_00
             break
         for output in scheduler.step(executor):
             outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
-        # The scheduler's count of each request's blocks agrees with the block manager's tables.
-        for request in scheduler.running:
-            assert request.num_blocks == len(block_manager.block_ids(request.request_id))
+        # The block manager holds exactly the running requests (and those ended in this step).
+        assert {r.request_id for r in scheduler.running} <= set(block_manager.requests)
     assert not scheduler.has_unfinished_requests(), "requests still unfinished"
     return outputs
 
