@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import write_result  # noqa: E402
 from pagedserve.client import GenerateClient, build_request  # noqa: E402
 from pagedserve.entrypoints.launcher import Stack, StackConfig  # noqa: E402
-from pagedserve.local_redis import LocalRedis  # noqa: E402
 from pagedserve.service import channel  # noqa: E402
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
+from tests.support.local_redis import LocalRedis  # noqa: E402
 
 
 def ttft(client: GenerateClient, prompt: list[int], salt: str, output_len: int) -> float:

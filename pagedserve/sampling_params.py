@@ -65,10 +65,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
 
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):

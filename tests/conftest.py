@@ -50,7 +50,7 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.fixture
 def redis_server():
-    from pagedserve.local_redis import LocalRedis
+    from tests.support.local_redis import LocalRedis
 
     try:
         server = LocalRedis()

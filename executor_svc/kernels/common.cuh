@@ -1,7 +1,7 @@
 // Shared device helpers for the paged-attention kernels.
 //
 // Built with NVRTC (through CuPy, at run time) or nvcc (tools/kernels_check.py), and also as plain C++ on
-// the host by the CPU emulation harness in tests/unit/test_kernels_cpu.py (PAGEDSERVE_EMULATION defined):
+// the host against the emulator in tests/unit/kernel_emulator/emulator.h (PAGEDSERVE_EMULATION defined):
 // every PTX instruction the kernels use sits in one small wrapper below, with a host version beside it.
 // No headers are included: bf16 and fp16 are handled as raw 16-bit words with explicit conversions,
 // which sidesteps NVRTC's cuda_bf16.h / cuda_fp16.h mismatches.

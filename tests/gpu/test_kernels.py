@@ -14,7 +14,7 @@ import torch
 
 from executor_svc.attention import cupy_backend
 from executor_svc.attention.cupy_backend import CupyPagedAttention, launch_with_cupy, load_kernels
-from executor_svc.attention.reference import PagedProblem, cache_write_reference
+from tests.support.attention_reference import PagedProblem, cache_write_reference
 
 DEVICE = torch.device("cuda")
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}

@@ -81,11 +81,6 @@ def paged_decode_reference(query, key_cache, value_cache, context_lens, block_ta
     )
 
 
-def paged_prefill_reference(query, key_cache, value_cache, query_lens, context_lens, block_tables, scale) -> torch.Tensor:
-    """[T, H, D] float64: prefill chunks over cached context plus their own chunk, causally."""
-    return paged_attention_reference(query, key_cache, value_cache, query_lens, context_lens, block_tables, scale)
-
-
 class PagedProblem:
     """Random inputs of one attention step over a paged cache, for checking a backend against the references.
 

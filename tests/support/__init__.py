@@ -1,0 +1,1 @@
+"""Helpers shared by the tests and the benchmarks, kept out of the installed packages."""
