@@ -1,1 +1,1 @@
-"""The public API: gRPC streaming Generate, tokenizer, incremental detokenizer, stop strings, validation."""
+"""The public API: gRPC streaming Generate, tokenizer, validation; text through pagedserve.output."""

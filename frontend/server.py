@@ -1,4 +1,4 @@
-"""The public Generate API: validate, tokenize, stream from the scheduler, detokenize, apply stop strings.
+"""The public Generate API: validate, tokenize, stream from the scheduler, turn tokens into text.
 
 All of this frontend's requests share one stream to the scheduler; each step's batched update is fanned
 out to the waiting client streams here.
@@ -12,10 +12,9 @@ import uuid
 
 import grpc
 
-from frontend.detokenizer import IncrementalDetokenizer
-from frontend.stop_strings import StopStringMatcher
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
-from pagedserve.convert import sampling_to_proto
+from pagedserve.convert import FINISH_REASON_NAMES, FINISH_REASONS, sampling_to_proto
+from pagedserve.output import RequestOutputState
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2
 
@@ -156,13 +155,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         # aborting a finished request is a no-op there.
         context.add_callback(lambda: self.link.abort(request_id))
         try:
-            yield from self._stream(request_id, prompt_ids, inp, inbox, context)
+            state = RequestOutputState(self.tokenizer, prompt_ids, params)
+            yield from self._stream(request_id, state, inbox, context)
         finally:
             self.link.release(request_id)
 
-    def _stream(self, request_id, prompt_ids, inp: GenerateInput, inbox, context):
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, inp.skip_special_tokens)
-        stops = StopStringMatcher(inp.stop, inp.include_stop_str_in_output) if inp.stop else None
+    def _stream(self, request_id, state: RequestOutputState, inbox, context):
         while True:
             try:
                 output = inbox.get(timeout=POLL_S)
@@ -174,25 +172,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, self.link.broken or "scheduler unavailable")
             if output.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 context.abort(grpc.StatusCode.INTERNAL, output.error or "request failed")
-            finished = output.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-            text = detokenizer.add_tokens(list(output.new_token_ids))
-            if finished:
-                text += detokenizer.finish()
-            finish_reason = output.finish_reason
-            if stops is not None:
-                text, matched = stops.feed(text)
-                if matched:
-                    self.link.abort(request_id)
-                    finished, finish_reason = True, common_pb2.FINISH_REASON_STOP
-                elif finished:
-                    text += stops.flush()
+            delta = state.update(list(output.new_token_ids), FINISH_REASON_NAMES[output.finish_reason])
+            if delta.abort:
+                self.link.abort(request_id)
             response = generate_pb2.GenerateResponse(
-                request_id=request_id, token_ids=output.new_token_ids, text=text, logprobs=output.logprobs,
+                request_id=request_id, token_ids=output.new_token_ids, text=delta.text, logprobs=output.logprobs,
             )
-            if finished:
-                response.finish_reason = finish_reason
-                response.usage.prompt_tokens = len(prompt_ids)
-                response.usage.completion_tokens = output.num_output_tokens
+            if delta.finished:
+                response.finish_reason = FINISH_REASONS[delta.finish_reason]
+                response.usage.prompt_tokens = delta.usage.prompt_tokens
+                response.usage.completion_tokens = delta.usage.completion_tokens
             yield response
-            if finished:
+            if delta.finished:
                 return

@@ -11,7 +11,6 @@ from typing import Any
 
 from pagedserve.sampling_params import SamplingParams
 
-MAX_STOP_STRINGS = 16
 MAX_REQUEST_ID_LEN = 256
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -42,9 +41,9 @@ class GenerateInput:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
-    # Handled by the frontend itself (detokenizer, stop strings, prefix cache), not SamplingParams.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Not a sampling parameter: it keeps requests apart in the prefix cache.
     cache_salt: str | None = None
 
 
@@ -89,17 +88,8 @@ def _check_request_id(request_id: object) -> None:
 
 
 def _check_frontend_fields(inp: GenerateInput) -> None:
-    if not isinstance(inp.stop, list) or not all(isinstance(s, str) for s in inp.stop):
-        raise ValidationError("stop", "stop must be a list of strings")
-    if len(inp.stop) > MAX_STOP_STRINGS:
-        raise ValidationError("stop", f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(inp.stop)}")
-    if any(not s for s in inp.stop):
-        raise ValidationError("stop", "stop strings must not be empty")
     if not isinstance(inp.stop_token_ids, list):
         raise ValidationError("stop_token_ids", "stop_token_ids must be a list of token ids")
-    for name in ("skip_special_tokens", "include_stop_str_in_output"):
-        if not isinstance(getattr(inp, name), bool):
-            raise ValidationError(name, f"{name} must be a bool")
     if inp.cache_salt is not None and (not isinstance(inp.cache_salt, str) or not inp.cache_salt):
         raise ValidationError("cache_salt", "cache_salt must be a non-empty string when set")
 
@@ -113,7 +103,8 @@ def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
         params = SamplingParams(
             temperature=inp.temperature, top_p=inp.top_p, top_k=inp.top_k, min_p=inp.min_p,
             seed=inp.seed, max_tokens=inp.max_tokens, min_tokens=inp.min_tokens,
-            stop_token_ids=inp.stop_token_ids, ignore_eos=inp.ignore_eos, logprobs=inp.logprobs,
+            stop=inp.stop, stop_token_ids=inp.stop_token_ids, ignore_eos=inp.ignore_eos, logprobs=inp.logprobs,
+            include_stop_str_in_output=inp.include_stop_str_in_output, skip_special_tokens=inp.skip_special_tokens,
         )
     except ValueError as e:
         # SamplingParams's messages start with the field name.

@@ -32,6 +32,8 @@ FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
 
 def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | None = None) -> common_pb2.SamplingParams:
+    """What the scheduler and the executor use. Stop strings and the other text options stay behind:
+    they apply where token ids become text (``pagedserve.output``), which the back end never sees."""
     out = common_pb2.SamplingParams() if out is None else out
     out.temperature = params.temperature
     out.top_p = params.top_p

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 # Beyond this many top logprobs per token the cost is all copying; vLLM caps at 20 as well.
 MAX_LOGPROBS = 20
+# Every stop string is searched for in every text delta, so their number is bounded.
+MAX_STOP_STRINGS = 16
 
 
 @dataclass
@@ -19,9 +21,14 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)  # the text is cut where the first one completes
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # return the chosen token's logprob and this many top logprobs
+    # Output processing (pagedserve.output), applied where token ids become text; the scheduler and
+    # the executor never look at these.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -50,12 +57,20 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
+        # A bare string would be taken apart into one-character stop strings.
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a list of strings")
+        self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if not all(self.stop):
+            raise ValueError("stop strings must not be empty")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id)
             if token_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {token_id}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -71,6 +86,11 @@ def _check_number(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite, got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _check_int(name: str, value: object) -> None:

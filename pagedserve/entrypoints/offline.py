@@ -17,6 +17,7 @@ from executor_svc.model_runner import ModelRunner
 from executor_svc.offload import make_tier
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from kvcache_svc.offload_index import make_tier_index
+from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
 from scheduler_svc.request import Request
@@ -30,10 +31,12 @@ Prompt = str | Sequence[int]
 class GenerationResult:
     request_id: str
     prompt_token_ids: list[int]
+    # Up to and including the token that completed a stop string, as the Generate API streams them.
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[SampledToken] | None = None
+    usage: Usage | None = None
 
 
 class LLM:
@@ -122,10 +125,12 @@ class LLM:
                 f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
             )
         results: dict[str, GenerationResult] = {}
+        states: dict[str, RequestOutputState] = {}
         order = []
         for prompt, params in zip(prompt_list, params_list):
             token_ids = self._tokenize(prompt)
             request_id = str(next(self._request_ids))
+            states[request_id] = RequestOutputState(self.tokenizer, token_ids, params)
             self.scheduler.add_request(
                 Request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len, cache_salt)
             )
@@ -140,10 +145,13 @@ class LLM:
                 result.token_ids.extend(output.new_token_ids)
                 if output.new_logprobs is not None and result.logprobs is not None:
                     result.logprobs.extend(output.new_logprobs)
-                result.finish_reason = output.finish_reason
-        if self.tokenizer is not None:
-            for result in results.values():
-                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+                # The same output processing as the Generate API's streams, so the two agree on text.
+                delta = states[output.request_id].update(output.new_token_ids, output.finish_reason)
+                if delta.abort:
+                    self.scheduler.abort_request(output.request_id)
+                result.text += delta.text
+                result.finish_reason = delta.finish_reason
+                result.usage = delta.usage
         return [results[request_id] for request_id in order]
 
     def chat(

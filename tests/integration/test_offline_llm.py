@@ -144,3 +144,5 @@ def test_prompts_without_a_tokenizer_must_be_token_ids(tiny_llm):
         tiny_llm.generate("some text", SamplingParams())
     [result] = tiny_llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(result.token_ids) == 3 and result.text == ""
+    with pytest.raises(ValueError, match="tokenizer"):
+        tiny_llm.generate([[3, 4, 5]], SamplingParams(stop=["x"]))

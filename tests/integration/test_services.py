@@ -9,8 +9,10 @@ import grpc
 import pytest
 import torch
 
+from pagedserve import LLM, SamplingParams
 from pagedserve.client import GenerateClient, build_request
 from pagedserve.entrypoints.launcher import Stack, StackConfig
+from pagedserve.output import Usage
 from pagedserve.service import channel
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -191,6 +193,50 @@ def test_stop_strings_trim_the_text_and_end_the_request(stack, client):
                                             ignore_eos=True, stop=[" 6"]))
     assert stopped.finish_reason == "stop"
     assert stopped.text == base.text[: base.text.index(" 6")]
+    assert wait_for(lambda: kv_stats(stack).num_requests == 0)
+
+
+# (prompt, stop, include_stop_str_in_output, the stop string that should end the request), greedy,
+# 24 tokens, ignore_eos. The comments say what the default model writes.
+STOP_CASES = [
+    ("1, 2, 3, 4,", [" 7, 8"], False, " 7, 8"),  # " 5, 6, 7, 8, ...": the stop spans five tokens
+    ("1, 2, 3, 4,", [" 7, 8"], True, " 7, 8"),
+    ("The capital of France is", ["answer", "\n\n"], False, "\n\n"),  # " Paris.\n\nThe answer is: ..."
+    ("Once upon a time", ["never in this story"], False, None),
+    ("Once upon a time", ["years went by"], False, "years went by"),  # the 24th token is " by"
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default", dtype="float32", kv_cache_memory=128 << 20)
+
+
+def test_offline_stop_strings_give_the_generate_apis_output(stack, client, llm):
+    common = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [case[0] for case in STOP_CASES]
+    full = llm.generate(prompts, SamplingParams(**common))
+    # One batch: a request aborted on its stop string leaves the others running.
+    offline = llm.generate(prompts, [
+        SamplingParams(**common, stop=stop, include_stop_str_in_output=include) for _, stop, include, _ in STOP_CASES
+    ])
+    for (prompt, stop, include, ends_on), unstopped, result in zip(STOP_CASES, full, offline):
+        streamed = client.generate(build_request(prompt=prompt, stop=stop, include_stop_str_in_output=include, **common))
+        assert (result.text, result.finish_reason, result.token_ids) == (
+            streamed.text, streamed.finish_reason, streamed.token_ids
+        )
+        assert result.usage == Usage(streamed.prompt_tokens, len(streamed.token_ids))
+        if ends_on is None:
+            assert (result.text, result.finish_reason) == (unstopped.text, "length")
+            assert result.token_ids == unstopped.token_ids
+            continue
+        start = unstopped.text.index(ends_on)
+        assert result.text == unstopped.text[:start + len(ends_on) if include else start]
+        assert result.finish_reason == "stop"
+        # Aborted at the token that completed the stop string: no token after it is reported.
+        n = next(n for n in range(1, 25) if ends_on in llm.tokenizer.decode(unstopped.token_ids[:n]))
+        assert result.token_ids == unstopped.token_ids[:n]
+    assert len(offline[-1].token_ids) == 24  # the last case is the one completed by the last token
     assert wait_for(lambda: kv_stats(stack).num_requests == 0)
 
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 
 def test_defaults_are_vllms():
     p = SamplingParams()
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.min_tokens) == (1.0, 1.0, 0, 0.0, None, 16, 0)
     assert p.stop_token_ids == [] and p.ignore_eos is False and p.logprobs is None
+    assert p.stop == [] and p.include_stop_str_in_output is False and p.skip_special_tokens is True
     assert SamplingParams(temperature=0).greedy and not p.greedy
 
 
@@ -18,6 +19,8 @@ def test_defaults_are_vllms():
     ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5),
     ("seed", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
     ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1),
+    ("stop", "STOP"), ("stop", [""]), ("stop", ["ok", 3]), ("stop", ["s"] * (MAX_STOP_STRINGS + 1)),
+    ("include_stop_str_in_output", 1), ("skip_special_tokens", "yes"),
 ])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):
@@ -28,3 +31,8 @@ def test_min_tokens_cannot_exceed_max_tokens():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)
     assert SamplingParams(min_tokens=5, max_tokens=None).min_tokens == 5
+
+
+def test_stop_strings_up_to_the_bound_are_kept_as_a_list():
+    stop = tuple(f"s{i}" for i in range(MAX_STOP_STRINGS))
+    assert SamplingParams(stop=stop).stop == list(stop)

@@ -70,6 +70,7 @@ BAD = [
     ("stop_token_ids", dict(stop_token_ids=[-3])),
     ("ignore_eos", dict(ignore_eos=1)),
     ("skip_special_tokens", dict(skip_special_tokens="yes")),
+    ("include_stop_str_in_output", dict(include_stop_str_in_output=1)),
     ("cache_salt", dict(cache_salt="")),
 ]
 
@@ -92,11 +93,13 @@ def test_plain_prompt(tok):
 def test_all_sampling_fields_carried_over(tok):
     _, params = validate(
         tok, max_tokens=10, min_tokens=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11,
-        stop=["\n"], stop_token_ids=[2, 0], ignore_eos=True, logprobs=5,
+        stop=["\n"], stop_token_ids=[2, 0], ignore_eos=True, logprobs=5, include_stop_str_in_output=True,
+        skip_special_tokens=False,
     )
     assert params == SamplingParams(
         temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11, max_tokens=10, min_tokens=2,
-        stop_token_ids=[2, 0], ignore_eos=True, logprobs=5,
+        stop=["\n"], stop_token_ids=[2, 0], ignore_eos=True, logprobs=5, include_stop_str_in_output=True,
+        skip_special_tokens=False,
     )
 
 

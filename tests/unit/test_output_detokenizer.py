@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.output.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! This is plain ASCII.",

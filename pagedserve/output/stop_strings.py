@@ -11,8 +11,7 @@ from __future__ import annotations
 
 class StopStringMatcher:
     def __init__(self, stop: list[str], include_stop_str_in_output: bool = False):
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError("stop strings must be non-empty strings")
+        # Non-empty strings, as SamplingParams checks: an empty one would match before any text.
         self.stop = list(dict.fromkeys(stop))
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stopped = False

@@ -1,0 +1,75 @@
+"""One request's output, step by step: new token ids in; text delta, finish reason and usage out.
+
+The frontend (per client stream) and the offline ``LLM`` (per request of a batch) both feed every step's
+new token ids here, so the two APIs give the same text and the same finish reason for the same tokens.
+A stop string is found in text, which only this side has: the scheduler ends a request on EOS, stop
+token ids and length, and is told to abort one when a stop string matches here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.output.detokenizer import IncrementalDetokenizer
+from pagedserve.output.stop_strings import StopStringMatcher
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    text: str  # new text, stop strings trimmed; may be empty while characters are held back
+    finish_reason: str | None = None  # set on the last delta: "stop", "length", "abort" or "error"
+    usage: Usage | None = None  # set on the last delta
+    # A stop string ended the request here, which the scheduler does not know: abort it there, or
+    # it keeps generating tokens nobody will see.
+    abort: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutputState:
+    """Feed each step's ``new_token_ids`` (and the scheduler's finish reason) to ``update``.
+
+    Completion tokens are counted as fed, so after a stop-string match they are the tokens up to and
+    including the one that completed it. Without a tokenizer (a checkpoint given as token ids only)
+    the text stays empty and stop strings are refused.
+    """
+
+    def __init__(self, tokenizer: Any | None, prompt_token_ids: list[int], params: SamplingParams):
+        if tokenizer is None and params.stop:
+            raise ValueError("stop strings need the model's tokenizer, and this model has none")
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+            if tokenizer is not None else None
+        )
+        self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+
+    def update(self, new_token_ids: list[int], finish_reason: str | None = None) -> OutputDelta:
+        self.num_output_tokens += len(new_token_ids)
+        text = ""
+        if self.detokenizer is not None:
+            text = self.detokenizer.add_tokens(new_token_ids)
+            if finish_reason is not None:
+                text += self.detokenizer.finish()
+        abort = False
+        if self.stops is not None:
+            text, matched = self.stops.feed(text)
+            if matched:
+                # Also when the scheduler ended the request in this same step: the text was cut at
+                # the stop string, so that is why it ended.
+                finish_reason, abort = "stop", True
+            elif finish_reason is not None:
+                text += self.stops.flush()
+        if finish_reason is None:
+            return OutputDelta(text)
+        return OutputDelta(text, finish_reason, Usage(self.num_prompt_tokens, self.num_output_tokens), abort)
