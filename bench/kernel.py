@@ -296,15 +296,17 @@ def bench_e2e(model_dir, copy_bps: float, enforce_eager: bool, *, batch=E2E_BATC
     """Decode steps per second of a ModelRunner, with CUDA graphs (batch size `batch` captured) or eagerly."""
     from transformers import AutoConfig
 
-    from executor_svc.model_config import ModelConfig, parse_dtype
+    from executor_svc.model_config import ModelArchitecture, parse_dtype
     from executor_svc.model_runner import ModelRunner
+    from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
-    config = ModelConfig.from_hf_config(AutoConfig.from_pretrained(model_dir), None)
+    config = ModelArchitecture.from_hf_config(AutoConfig.from_pretrained(model_dir), None)
     blocks = batch * -(-(context + warmup + steps + 1) // BLOCK_SIZE) + 8
     block_bytes = config.kv_bytes_per_token(parse_dtype(dtype)) * BLOCK_SIZE
-    runner = ModelRunner(str(model_dir), dtype=dtype, device=device, block_size=BLOCK_SIZE,
-                         kv_cache_memory=blocks * block_bytes, max_num_seqs=batch, cuda_graph_batch_sizes=[batch],
-                         enforce_eager=enforce_eager)
+    runner = ModelRunner(ModelConfig(str(model_dir), dtype=dtype, device=device, cuda_graph_batch_sizes=[batch],
+                                     enforce_eager=enforce_eager),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=blocks * block_bytes),
+                         SchedulerConfig(max_num_seqs=batch))
     for key_cache, value_cache in runner.kv_caches:  # stands in for the prompts' K/V
         key_cache.normal_()
         value_cache.normal_()

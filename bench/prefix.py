@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_result  # noqa: E402
 from pagedserve.client import GenerateClient, build_request  # noqa: E402
-from pagedserve.entrypoints.launcher import Stack, StackConfig  # noqa: E402
+from pagedserve.config import PagedServeConfig  # noqa: E402
+from pagedserve.entrypoints.launcher import Stack  # noqa: E402
 from pagedserve.service import channel  # noqa: E402
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
 from tests.support.local_redis import LocalRedis  # noqa: E402
@@ -70,8 +71,9 @@ def main() -> None:
     salt = f"bench-{time.time_ns()}"  # a fresh salt space: nothing from an earlier run can help
     cold, warm, from_redis = [], [], []
     with LocalRedis() as redis_server:
-        config = StackConfig(model=args.model, dtype=args.dtype, port=0, kv_cache_memory=args.kv_cache_memory,
-                             redis_url=redis_server.url, offload_all=True)
+        config = PagedServeConfig.from_kwargs(model=args.model, device="cpu", dtype=args.dtype, port=0,
+                                              kv_cache_memory=args.kv_cache_memory, redis_url=redis_server.url,
+                                              offload_all=True)
         with Stack(config) as stack, GenerateClient(stack.address) as client:
             ttft(client, [1, 2, 3, 4], f"{salt}-warmup", 1)
             before = kv_stats(stack.kvcache_address)

@@ -350,11 +350,12 @@ def main(argv: list[str] | None = None) -> int:
             "kv_cache_memory": None, "max_num_batched_tokens": None,
         })
     else:
-        from pagedserve.entrypoints.launcher import Stack, StackConfig
+        from pagedserve.config import PagedServeConfig
+        from pagedserve.entrypoints.launcher import Stack
 
-        config = StackConfig(model=args.model, device=args.device, dtype=args.dtype, port=0,
-                             kv_cache_memory=args.kv_cache_memory,
-                             max_num_batched_tokens=args.max_num_batched_tokens)
+        config = PagedServeConfig.from_kwargs(model=args.model, device=args.device, dtype=args.dtype, port=0,
+                                              kv_cache_memory=args.kv_cache_memory,
+                                              max_num_batched_tokens=args.max_num_batched_tokens)
         print(f"starting the stack ({args.model}, {args.dtype}, {args.device}, kv {args.kv_cache_memory} B)...",
               flush=True)
         started = time.perf_counter()

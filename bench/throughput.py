@@ -62,10 +62,12 @@ def run_engine(args, prompts) -> dict:
 
 def run_stack(args, prompts) -> dict:
     from pagedserve.client import GenerateClient, build_request
-    from pagedserve.entrypoints.launcher import Stack, StackConfig
+    from pagedserve.config import PagedServeConfig
+    from pagedserve.entrypoints.launcher import Stack
 
-    config = StackConfig(model=args.model, device=args.device, dtype=args.dtype, port=0,
-                         kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens)
+    config = PagedServeConfig.from_kwargs(model=args.model, device=args.device, dtype=args.dtype, port=0,
+                                          kv_cache_memory=args.kv_cache_memory,
+                                          max_num_batched_tokens=args.max_num_batched_tokens)
     with Stack(config) as stack, GenerateClient(stack.address) as client:
         client.generate(build_request(prompt_token_ids=prompts[0][:8], temperature=0.0, max_tokens=2))  # warm-up
         counts = [0] * len(prompts)

@@ -3,22 +3,34 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.model_config import ModelConfig
+from executor_svc.model_config import ModelArchitecture
+from pagedserve.config import CPU_KV_CACHE_CAP, CacheConfig
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes the KV cache may draw on: free device memory on CUDA, MemAvailable on the host."""
+def kv_cache_budget(cache: CacheConfig, device: torch.device, bytes_per_token: int, max_model_len: int,
+                    max_num_seqs: int) -> int:
+    """Bytes for the KV tensors: kv_cache_memory when given. Else, on CUDA, kv_cache_fraction of the device
+    memory free once the weights are loaded; on the CPU, what max_num_seqs requests of max_model_len tokens
+    take, capped at CPU_KV_CACHE_CAP and at kv_cache_fraction of the host's total memory (total, not
+    available, so that the same config gives the same pool on every start)."""
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return free
+        return int(free * cache.kv_cache_fraction)
+    wanted = bytes_per_token * max_model_len * max_num_seqs
+    return min(wanted, CPU_KV_CACHE_CAP, int(host_memory_total() * cache.kv_cache_fraction))
+
+
+def host_memory_total() -> int:
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
-            if line.startswith("MemAvailable:"):
+            if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory")
+    raise RuntimeError("cannot read MemTotal from /proc/meminfo; pass kv_cache_memory")
 
 
-def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: int, memory_bytes: int) -> int:
+def num_blocks_for_budget(config: ModelArchitecture, dtype: torch.dtype, block_size: int, memory_bytes: int) -> int:
     block_bytes = config.kv_bytes_per_token(dtype) * block_size
     num_blocks = memory_bytes // block_bytes
     if num_blocks < 1:
@@ -30,7 +42,7 @@ def num_blocks_for_budget(config: ModelConfig, dtype: torch.dtype, block_size: i
 
 
 def allocate_kv_caches(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    config: ModelArchitecture, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeros, not empty: attention masks padded key slots, and a masked NaN would still poison the sum.
     shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)  # HND, see the attention backend

@@ -29,7 +29,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelArchitecture:
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -48,7 +48,7 @@ class ModelConfig:
     hf_config: object  # the transformers config, for the RoPE tables
 
     @classmethod
-    def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelConfig":
+    def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
         model_type = hf_config.model_type
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(

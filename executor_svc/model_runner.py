@@ -17,8 +17,8 @@ from executor_svc.attention.layout import BatchLayout
 from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.attention.selection import select_attention_backend
 from executor_svc import cuda_graphs
-from executor_svc.kv_cache import allocate_kv_caches, available_memory, num_blocks_for_budget
-from executor_svc.model_config import ModelConfig, parse_dtype
+from executor_svc.kv_cache import allocate_kv_caches, kv_cache_budget, num_blocks_for_budget
+from executor_svc.model_config import ModelArchitecture, parse_dtype
 from executor_svc.model_loader import (
     generation_eos_token_ids,
     iterate_weights,
@@ -28,6 +28,7 @@ from executor_svc.model_loader import (
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.offload import HostTier, RedisTier
 from executor_svc.sampler import Sampler, SamplingBatch
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep
 
@@ -43,38 +44,35 @@ class RequestState:
 class ModelRunner:
     def __init__(
         self,
-        model: str = "default",
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        kv_cache_fraction: float = 0.3,
-        max_model_len: int | None = None,
-        attention_backend: str = "auto",
-        max_num_seqs: int = 256,
-        cuda_graph_batch_sizes: list[int] | tuple[int, ...] | None = None,
-        enforce_eager: bool = False,
+        model_config: ModelConfig,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
         offload_tier: HostTier | RedisTier | None = None,
     ) -> None:
+        """scheduler_config: its max_num_seqs sizes the CPU KV cache and the CUDA graphs."""
         from transformers import AutoConfig
 
-        if block_size < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if not 0.0 < kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
-        self.device = torch.device(device)
-        self.dtype = parse_dtype(dtype)
-        self.block_size = block_size
-        self.model_dir = resolve_model_dir(model)
-        self.config = ModelConfig.from_hf_config(AutoConfig.from_pretrained(self.model_dir), max_model_len)
+        model_config = model_config.resolved()
+        cache_config = cache_config or CacheConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self.model_config, self.cache_config = model_config, cache_config
+        torch.manual_seed(model_config.seed)
+        self.device = torch.device(model_config.device)
+        self.dtype = parse_dtype(model_config.dtype)
+        self.block_size = block_size = cache_config.block_size
+        self.model_dir = resolve_model_dir(model_config.model)
+        self.config = ModelArchitecture.from_hf_config(
+            AutoConfig.from_pretrained(self.model_dir), model_config.max_model_len
+        )
         self.eos_token_ids = tuple(
             sorted(set(self.config.eos_token_ids) | set(generation_eos_token_ids(self.model_dir)))
         )
         # What the K/V were computed with: prefix hashes (and so Redis keys) are rooted in it.
-        self.model_id = f"{model_fingerprint(self.model_dir)}|{dtype}"
+        self.model_id = f"{model_fingerprint(self.model_dir)}|{model_config.dtype}"
 
-        backend_cls, reason = select_attention_backend(self.device, attention_backend, head_dim=self.config.head_dim)
+        backend_cls, reason = select_attention_backend(
+            self.device, model_config.attention_backend, head_dim=self.config.head_dim
+        )
         self.attention_backend_name = "torch" if backend_cls is TorchPagedAttention else "cupy"
         logger.info("attention backend %s (%s)", self.attention_backend_name, reason)
         self.attention = backend_cls(
@@ -86,9 +84,8 @@ class ModelRunner:
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # RoPE tables stay float32, as transformers keeps them
 
-        budget = kv_cache_memory if kv_cache_memory is not None else int(
-            available_memory(self.device) * kv_cache_fraction
-        )
+        budget = kv_cache_budget(cache_config, self.device, self.config.kv_bytes_per_token(self.dtype),
+                                 self.config.max_model_len, scheduler_config.max_num_seqs)
         self.num_blocks = num_blocks_for_budget(self.config, self.dtype, block_size, budget)
         self.kv_caches = allocate_kv_caches(self.config, self.num_blocks, block_size, self.dtype, self.device)
         # A request alone must always fit in the pool, or preemption could never make room for it.
@@ -97,7 +94,7 @@ class ModelRunner:
             logger.warning("KV cache holds %d tokens; capping the context length at that", self.max_model_len)
         logger.info(
             "model %s (%s, %s) on %s; KV cache %d blocks x %d tokens (%.1f MiB)",
-            self.model_dir, self.config.model_type, dtype, self.device, self.num_blocks, block_size,
+            self.model_dir, self.config.model_type, model_config.dtype, self.device, self.num_blocks, block_size,
             budget / 2**20,
         )
         self.sampler = Sampler()
@@ -110,8 +107,10 @@ class ModelRunner:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         # Decode steps replay CUDA graphs (CUDA with the cupy backend only; see executor_svc/cuda_graphs.py).
-        self.enforce_eager = enforce_eager
-        self.cuda_graph_batch_sizes = cuda_graphs.cuda_graph_batch_sizes(max_num_seqs, cuda_graph_batch_sizes)
+        self.enforce_eager = model_config.enforce_eager
+        self.cuda_graph_batch_sizes = cuda_graphs.cuda_graph_batch_sizes(
+            scheduler_config.max_num_seqs, model_config.cuda_graph_batch_sizes
+        )
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
         self._capture_decode_graphs()
 

@@ -40,10 +40,28 @@ class StepWorker:
                     future.set_exception(error)
 
 
+def executor_info(runner: ModelRunner) -> executor_pb2.ExecutorInfo:
+    """What the executor tells the other services (GetInfo); the offline LLM builds its cores from it too."""
+    tier = runner.offload_tier
+    return executor_pb2.ExecutorInfo(
+        model=runner.model_config.model, model_dir=str(runner.model_dir), model_id=runner.model_id,
+        num_blocks=runner.num_blocks, block_bytes=runner.block_bytes,
+        block_size=runner.block_size, max_model_len=runner.max_model_len,
+        vocab_size=runner.config.vocab_size, eos_token_ids=list(runner.eos_token_ids),
+        attention_backend=runner.attention_backend_name, device=str(runner.device),
+        dtype=str(runner.dtype).removeprefix("torch."),
+        num_prefill_tokens=runner.num_prefill_tokens, num_decode_tokens=runner.num_decode_tokens,
+        offload=tier.name if tier else "none", blocks_saved=runner.blocks_saved,
+        blocks_loaded=runner.blocks_loaded, failed_loads=runner.failed_loads,
+        bytes_moved=runner.bytes_saved + runner.bytes_loaded, tier_errors=tier.errors if tier else 0,
+        offload_capacity_blocks=tier.capacity_bytes // runner.block_bytes if isinstance(tier, HostTier) else 0,
+        offload_redis_url=tier.url if isinstance(tier, RedisTier) else "",
+    )
+
+
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, runner: ModelRunner, model_name: str) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.model_name = model_name
         # Steps run one at a time on the thread that loaded the model (see StepWorker).
         self.worker = StepWorker()
 
@@ -53,19 +71,4 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return execute_result_to_proto(result)
 
     def GetInfo(self, request, context):
-        runner = self.runner
-        tier = runner.offload_tier
-        return executor_pb2.ExecutorInfo(
-            model=self.model_name, model_dir=str(runner.model_dir), model_id=runner.model_id,
-            num_blocks=runner.num_blocks, block_bytes=runner.block_bytes,
-            block_size=runner.block_size, max_model_len=runner.max_model_len,
-            vocab_size=runner.config.vocab_size, eos_token_ids=list(runner.eos_token_ids),
-            attention_backend=runner.attention_backend_name, device=str(runner.device),
-            dtype=str(runner.dtype).removeprefix("torch."),
-            num_prefill_tokens=runner.num_prefill_tokens, num_decode_tokens=runner.num_decode_tokens,
-            offload=tier.name if tier else "none", blocks_saved=runner.blocks_saved,
-            blocks_loaded=runner.blocks_loaded, failed_loads=runner.failed_loads,
-            bytes_moved=runner.bytes_saved + runner.bytes_loaded, tier_errors=tier.errors if tier else 0,
-            offload_capacity_blocks=tier.capacity_bytes // runner.block_bytes if isinstance(tier, HostTier) else 0,
-            offload_redis_url=tier.url if isinstance(tier, RedisTier) else "",
-        )
+        return executor_info(self.runner)

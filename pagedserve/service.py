@@ -72,11 +72,5 @@ class Service:
         self.stop()
 
 
-def add_service_arguments(parser, default_port: int) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=default_port)
-    parser.add_argument("--log-level", default="INFO")
-
-
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

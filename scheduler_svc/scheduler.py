@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve.config import SchedulerConfig
 from pagedserve.step import (
     BlockRequest,
     BlockStepRequest,
@@ -27,26 +28,6 @@ from pagedserve.step import (
     RequestOutput,
 )
 from scheduler_svc.request import Request, RequestStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 8192
-    enable_chunked_prefill: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                "without chunked prefill, max_num_batched_tokens must be at least max_model_len "
-                f"({self.max_model_len}) so that any prompt fits in one step"
-            )
 
 
 @dataclass(slots=True)

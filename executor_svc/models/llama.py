@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from executor_svc.model_config import ModelConfig
+from executor_svc.model_config import ModelArchitecture
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelArchitecture) -> None:
         super().__init__()
         inv_freq, scale = config.rope_inv_freq()
         positions = torch.arange(config.max_model_len, dtype=torch.float32)
@@ -51,7 +51,7 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, attention_backend) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -75,7 +75,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelArchitecture) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
@@ -87,7 +87,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention_backend) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, attention_backend)
@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, attention_backend) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -1,18 +1,30 @@
 """Starts the four services as local processes, in dependency order, and stops them all together."""
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
+import executor_svc.__main__
+import frontend.__main__
+import kvcache_svc.__main__
+import scheduler_svc.__main__
+from pagedserve.config import PagedServeConfig, to_argv
 from pagedserve.service import wait_until_serving
 
 logger = logging.getLogger(__name__)
+
+# In start order: each needs the ones before it.
+SERVICES = {
+    "executor_svc": executor_svc.__main__,
+    "kvcache_svc": kvcache_svc.__main__,
+    "scheduler_svc": scheduler_svc.__main__,
+    "frontend": frontend.__main__,
+}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,76 +33,44 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-@dataclass
-class StackConfig:
-    model: str = "default"
-    device: str = "cpu"
-    dtype: str = "float32"
-    host: str = "127.0.0.1"
-    port: int = 50051  # the public API
-    kv_cache_memory: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    attention_backend: str = "auto"  # auto, torch or cupy (executor_svc --attention-backend)
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    offload: str | None = None  # host (default), redis (default with redis_url) or none
-    redis_url: str | None = None
-    offload_all: bool = False  # copy every block to the tier as it fills
-    log_level: str = "WARNING"
-    startup_timeout: float = 600.0
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-
 class Stack:
-    """The running services; use as a context manager, or call start() and stop()."""
+    """The running services; use as a context manager, or call start() and stop().
 
-    def __init__(self, config: StackConfig) -> None:
+    Port 0 (serving_config.port) serves the public API on a free port; the internal ports are always free ones.
+    """
+
+    def __init__(self, config: PagedServeConfig) -> None:
         self.config = config
         self.processes: list[tuple[str, subprocess.Popen]] = []
-        host = config.host
-        self.executor_address = f"{host}:{free_port(host)}"
-        self.kvcache_address = f"{host}:{free_port(host)}"
-        self.scheduler_address = f"{host}:{free_port(host)}"
-        self.address = f"{host}:{config.port or free_port(host)}"
+        host = config.serving_config.host
+        self.addresses = {module: f"{host}:{free_port(host)}" for module in SERVICES}
+        self.addresses["frontend"] = f"{host}:{config.serving_config.listen_port('frontend') or free_port(host)}"
+        self.address = self.addresses["frontend"]
+        self.executor_address = self.addresses["executor_svc"]
+        self.kvcache_address = self.addresses["kvcache_svc"]
+        self.scheduler_address = self.addresses["scheduler_svc"]
+
+    def service_argv(self, module: str) -> list[str]:
+        """The flags that give a service this stack's configuration: the flags its own parser declares."""
+        serving = dataclasses.replace(
+            self.config.serving_config, port=int(self.addresses[module].rsplit(":", 1)[1]),
+            executor=self.executor_address, kvcache=self.kvcache_address, scheduler=self.scheduler_address,
+        )
+        return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)
 
     def start(self) -> "Stack":
-        c = self.config
-        common = ["--log-level", c.log_level]
-        executor = ["--model", c.model, "--device", c.device, "--dtype", c.dtype]
-        if c.kv_cache_memory is not None:
-            executor += ["--kv-cache-memory", str(c.kv_cache_memory)]
-        if c.max_model_len is not None:
-            executor += ["--max-model-len", str(c.max_model_len)]
-        # The executor captures decode CUDA graphs up to the scheduler's batch limit.
-        executor += ["--attention-backend", c.attention_backend, "--max-num-seqs", str(c.max_num_seqs)]
-        if c.enforce_eager:
-            executor += ["--enforce-eager"]
-        if c.offload is not None:
-            executor += ["--offload", c.offload]
-        if c.redis_url is not None:
-            executor += ["--redis-url", c.redis_url]
         try:
-            self._spawn("executor_svc", self.executor_address, executor + common)
-            kvcache = ["--executor", self.executor_address] + (["--offload-all"] if c.offload_all else [])
-            self._spawn("kvcache_svc", self.kvcache_address, kvcache + common)
-            self._spawn("scheduler_svc", self.scheduler_address, [
-                "--kvcache", self.kvcache_address, "--executor", self.executor_address,
-                "--max-num-seqs", str(c.max_num_seqs), "--max-num-batched-tokens", str(c.max_num_batched_tokens),
-            ] + common)
-            self._spawn("frontend", self.address, ["--scheduler", self.scheduler_address] + common)
+            for module in SERVICES:
+                self._spawn(module, self.addresses[module], self.service_argv(module))
         except BaseException:
             self.stop()
             raise
         return self
 
     def _spawn(self, module: str, address: str, args: list[str]) -> None:
-        host, port = address.rsplit(":", 1)
-        command = [sys.executable, "-m", module, "--host", host, "--port", port, *args]
-        env = {**os.environ, **self.config.extra_env}
-        process = subprocess.Popen(command, env=env)
+        process = subprocess.Popen([sys.executable, "-m", module, *args])
         self.processes.append((module, process))
-        deadline = time.monotonic() + self.config.startup_timeout
+        deadline = time.monotonic() + self.config.serving_config.startup_timeout
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"{module} exited with status {process.returncode} while starting")

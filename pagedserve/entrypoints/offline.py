@@ -10,18 +10,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
-
-from executor_svc.model_runner import ModelRunner
-from executor_svc.offload import make_tier
-from kvcache_svc.kv_cache_manager import KVCacheManager
-from kvcache_svc.offload_index import make_tier_index
+from executor_svc.build import build_model_runner
+from executor_svc.server import executor_info
+from kvcache_svc.build import build_block_manager
+from pagedserve.config import CacheConfig, ModelConfig, PagedServeConfig, SchedulerConfig
 from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
+from scheduler_svc.build import build_scheduler
 from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 
 Prompt = str | Sequence[int]
@@ -40,61 +39,24 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = "default",
-        *,
-        device: str = "cpu",
-        dtype: str = "float32",
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        kv_cache_fraction: float = 0.3,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        offload: str | None = None,
-        offload_host_bytes: int = 1 << 30,
-        redis_url: str | None = None,
-        redis_ttl: int | None = None,
-        offload_all: bool = False,
-        seed: int = 0,
-    ) -> None:
+    """Takes the options of ModelConfig, CacheConfig and SchedulerConfig (pagedserve/config.py) by name."""
+
+    def __init__(self, model: str = ModelConfig.model, **options) -> None:
         from transformers import AutoTokenizer
 
-        torch.manual_seed(seed)
-        # Evicted prefix blocks go to host memory by default, to Redis when a URL is given.
-        offload = offload or ("redis" if redis_url else "host")
-        tier = make_tier(offload, host_bytes=offload_host_bytes, redis_url=redis_url, redis_ttl=redis_ttl)
-        self.runner = ModelRunner(
-            model, dtype=dtype, device=device, block_size=block_size, kv_cache_memory=kv_cache_memory,
-            kv_cache_fraction=kv_cache_fraction, max_model_len=max_model_len, offload_tier=tier,
-            attention_backend=attention_backend, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+        self.config = PagedServeConfig.from_kwargs(
+            "LLM", (ModelConfig, CacheConfig, SchedulerConfig), model=model, **options
         )
+        model_config, cache_config = self.config.model_config, self.config.cache_config
+        self.runner = build_model_runner(model_config, cache_config, self.config.scheduler_config)
+        # The cores meet here as they do in the services: through what the executor reports.
+        info = executor_info(self.runner)
+        self.block_manager = build_block_manager(cache_config, info)
+        self.scheduler = build_scheduler(self.config.scheduler_config, info, self.block_manager.step)
         # A checkpoint without tokenizer files still serves prompts given as token ids (text stays "").
-        has_tokenizer = any(
-            (self.runner.model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model")
-        )
-        self.tokenizer = AutoTokenizer.from_pretrained(self.runner.model_dir) if has_tokenizer else None
-        context_len = self.runner.max_model_len
-        self.block_manager = KVCacheManager(
-            self.runner.num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
-            model_id=self.runner.model_id,
-            tier=make_tier_index(offload, offload_host_bytes // self.runner.block_bytes, redis_url or ""),
-            write_through=offload_all,
-            block_bytes=self.runner.block_bytes,
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                block_size=block_size, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max(max_num_batched_tokens, 0 if enable_chunked_prefill else context_len),
-                max_model_len=context_len, enable_chunked_prefill=enable_chunked_prefill,
-            ),
-            self.block_manager.step,
-        )
+        tokenizer_dir = Path(model_config.tokenizer or self.runner.model_dir)
+        has_tokenizer = any((tokenizer_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if has_tokenizer else None
         self.eos_token_ids = self.runner.eos_token_ids
         self._request_ids = itertools.count()
 

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 from executor_svc.attention.cupy_backend import CupyPagedAttention
 from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.model_runner import ModelRunner
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep
 from tests.gpu.test_model_gpu import BLOCK_SIZE, VOCAB, Driver, write_model
@@ -31,16 +34,19 @@ def llama_dir(tmp_path_factory):
 def test_backend_choice_on_cuda(llama_dir):
     from executor_svc.server import ExecutorServicer
 
-    runner = ModelRunner(str(llama_dir), dtype="bfloat16", device="cuda", kv_cache_memory=16 << 20, max_num_seqs=4)
+    runner = ModelRunner(ModelConfig(str(llama_dir), dtype="bfloat16", device="cuda"),
+                         CacheConfig(kv_cache_memory=16 << 20),
+                         SchedulerConfig(max_num_seqs=4))
     assert runner.attention_backend_name == "cupy" and isinstance(runner.attention, CupyPagedAttention)
-    assert ExecutorServicer(runner, "llama").GetInfo(None, None).attention_backend == "cupy"
+    assert ExecutorServicer(runner).GetInfo(None, None).attention_backend == "cupy"
     assert sorted(runner.decode_graphs.graphs) == [(1, 1024), (2, 1024), (4, 1024)]
     assert all(not k.any() and not v.any() for k, v in runner.kv_caches)  # capture wrote no K/V
-    torch_runner = ModelRunner(str(llama_dir), dtype="bfloat16", device="cuda", kv_cache_memory=16 << 20,
-                               attention_backend="torch")
+    torch_runner = ModelRunner(ModelConfig(str(llama_dir), dtype="bfloat16", device="cuda", attention_backend="torch"),
+                               CacheConfig(kv_cache_memory=16 << 20))
     assert torch_runner.attention_backend_name == "torch" and isinstance(torch_runner.attention, TorchPagedAttention)
     assert torch_runner.decode_graphs is None
-    eager = ModelRunner(str(llama_dir), dtype="bfloat16", device="cuda", kv_cache_memory=16 << 20, enforce_eager=True)
+    eager = ModelRunner(ModelConfig(str(llama_dir), dtype="bfloat16", device="cuda", enforce_eager=True),
+                        CacheConfig(kv_cache_memory=16 << 20))
     assert eager.attention_backend_name == "cupy" and eager.decode_graphs is None
 
 
@@ -71,13 +77,12 @@ def test_greedy_tokens_with_graphs_equal_eager(llama_dir):
 
 
 def test_cupy_runner_with_and_without_graphs_matches_torch_runner_bf16(llama_dir):
+    cache = CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=64 << 20)
+    model = ModelConfig(str(llama_dir), dtype="bfloat16", device="cuda", attention_backend="cupy")
     runners = {
-        "torch": ModelRunner(str(llama_dir), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE,
-                             kv_cache_memory=64 << 20, attention_backend="torch"),
-        "cupy-graphs": ModelRunner(str(llama_dir), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE,
-                                   kv_cache_memory=64 << 20, attention_backend="cupy", max_num_seqs=8),
-        "cupy-eager": ModelRunner(str(llama_dir), dtype="bfloat16", device="cuda", block_size=BLOCK_SIZE,
-                                  kv_cache_memory=64 << 20, attention_backend="cupy", enforce_eager=True),
+        "torch": ModelRunner(dataclasses.replace(model, attention_backend="torch"), cache),
+        "cupy-graphs": ModelRunner(model, cache, SchedulerConfig(max_num_seqs=8)),
+        "cupy-eager": ModelRunner(dataclasses.replace(model, enforce_eager=True), cache),
     }
     assert len({r.num_blocks for r in runners.values()}) == 1
     driver = Driver(runners["torch"], seed=3)

@@ -15,6 +15,7 @@ import torch
 
 from executor_svc.attention.cupy_backend import CupyPagedAttention
 from executor_svc.model_runner import ModelRunner
+from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteRequest, ExecuteStep
 
@@ -57,10 +58,10 @@ def model_dir(request, tmp_path_factory):
     return path
 
 
-def cupy_runner(path, dtype: str, **kwargs) -> ModelRunner:
-    """The runner with the CuPy backend; decode steps replay CUDA graphs unless enforce_eager=True is passed."""
-    runner = ModelRunner(str(path), dtype=dtype, device="cuda", block_size=BLOCK_SIZE, kv_cache_memory=64 << 20,
-                         attention_backend="cupy", **kwargs)
+def cupy_runner(path, dtype: str) -> ModelRunner:
+    """The runner with the CuPy backend; decode steps replay CUDA graphs."""
+    runner = ModelRunner(ModelConfig(str(path), dtype=dtype, device="cuda", attention_backend="cupy"),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=64 << 20))
     assert runner.attention_backend_name == "cupy" and isinstance(runner.attention, CupyPagedAttention)
     assert all(layer.self_attn.backend is runner.attention for layer in runner.model.layers)
     return runner

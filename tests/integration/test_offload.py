@@ -24,14 +24,15 @@ FILLERS = [tokens(10 + i, 150) for i in range(2)]  # each one nearly fills the p
 
 def small_llm(model_dir, **kwargs) -> LLM:
     # A pool of 12 blocks: the fillers must evict the prefix.
-    probe = LLM(str(model_dir), kv_cache_memory=1 << 20, block_size=BLOCK, offload="none")
+    probe = LLM(str(model_dir), device="cpu", kv_cache_memory=1 << 20, block_size=BLOCK, offload="none")
     block_bytes = probe.runner.block_bytes
-    return LLM(str(model_dir), kv_cache_memory=12 * block_bytes, block_size=BLOCK, **kwargs)
+    return LLM(str(model_dir), device="cpu", kv_cache_memory=12 * block_bytes, block_size=BLOCK, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def cold_output(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), kv_cache_memory=1 << 20, block_size=BLOCK, enable_prefix_caching=False)
+    llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=1 << 20, block_size=BLOCK,
+              enable_prefix_caching=False)
     return fingerprint(llm.generate([SECOND], PARAMS)[0])
 
 

@@ -11,7 +11,8 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.client import GenerateClient, build_request
-from pagedserve.entrypoints.launcher import Stack, StackConfig
+from pagedserve.config import PagedServeConfig
+from pagedserve.entrypoints.launcher import Stack
 from pagedserve.output import Usage
 from pagedserve.service import channel
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -26,7 +27,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def stack():
-    config = StackConfig(model="default", port=0, kv_cache_memory=256 << 20, log_level="WARNING")
+    config = PagedServeConfig.from_kwargs(model="default", device="cpu", port=0, kv_cache_memory=256 << 20,
+                                          log_level="WARNING")
     with Stack(config) as running:
         yield running
 

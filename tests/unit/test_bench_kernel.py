@@ -7,6 +7,7 @@ import torch
 
 from bench import kernel
 from executor_svc.model_runner import ModelRunner
+from pagedserve.config import CacheConfig, ModelConfig
 
 TINY = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             vocab_size=50, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -15,7 +16,8 @@ TINY = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_atte
 @pytest.mark.parametrize("tied", [True, False])
 def test_random_checkpoint_loads_and_floor_counts_every_weight_once(tmp_path, tied):
     params = kernel.write_random_qwen2(tmp_path, {**TINY, "tie_word_embeddings": tied}, device="cpu")
-    runner = ModelRunner(str(tmp_path), dtype="bfloat16", block_size=16, kv_cache_memory=1 << 20)
+    runner = ModelRunner(ModelConfig(str(tmp_path), dtype="bfloat16", device="cpu"),
+                         CacheConfig(block_size=16, kv_cache_memory=1 << 20))
     assert runner.config.model_type == "qwen2" and runner.config.qkv_bias and runner.config.head_dim == 64
     assert params == sum(p.numel() for p in runner.model.parameters())
     weight, kv = kernel.decode_floor_bytes(runner, [100, 28])

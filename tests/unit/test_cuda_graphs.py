@@ -29,6 +29,7 @@ from executor_svc.cuda_graphs import (
     cuda_graph_context_capacities, pad_decode_layout, padding_layout, select_cuda_graph,
 )
 from executor_svc.model_runner import ModelRunner
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteRequest, ExecuteStep
 from tests.unit.test_kernels_cpu import EmulatedLauncher, emulator_library  # noqa: F401  (a fixture)
@@ -44,7 +45,7 @@ BLOCK_SIZE = 16
 
 def test_runner_backend_auto_is_torch_on_cpu(tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="executor_svc.model_runner"):
-        runner = ModelRunner(str(tiny_llama_dir), kv_cache_memory=1 << 20)
+        runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
     assert runner.attention_backend_name == "torch"
     assert isinstance(runner.attention, TorchPagedAttention)
     assert all(layer.self_attn.backend is runner.attention for layer in runner.model.layers)
@@ -55,37 +56,42 @@ def test_runner_backend_auto_is_torch_on_cpu(tiny_llama_dir, caplog):
 
 def test_runner_backend_torch_when_asked(tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="executor_svc.model_runner"):
-        runner = ModelRunner(str(tiny_llama_dir), kv_cache_memory=1 << 20, attention_backend="torch")
+        runner = ModelRunner(ModelConfig(str(tiny_llama_dir), attention_backend="torch", device="cpu"),
+                             CacheConfig(kv_cache_memory=1 << 20))
     assert runner.attention_backend_name == "torch" and isinstance(runner.attention, TorchPagedAttention)
     assert "attention backend torch (torch backend requested)" in caplog.text
 
 
 def test_runner_backend_cupy_on_cpu_says_why_not(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"cupy attention backend cannot run here: device cpu is not a CUDA device"):
-        ModelRunner(str(tiny_llama_dir), kv_cache_memory=1 << 20, attention_backend="cupy")
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
-        ModelRunner(str(tiny_llama_dir), kv_cache_memory=1 << 20, attention_backend="flash")
+        ModelRunner(ModelConfig(str(tiny_llama_dir), attention_backend="cupy", device="cpu"),
+                    CacheConfig(kv_cache_memory=1 << 20))
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cupy, got 'flash'"):
+        ModelConfig(str(tiny_llama_dir), attention_backend="flash")
 
 
 def test_cpu_runner_resolves_graph_sizes_but_captures_none(tiny_llama_dir):
-    runner = ModelRunner(str(tiny_llama_dir), kv_cache_memory=1 << 20, max_num_seqs=48)
+    runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"),
+                         CacheConfig(kv_cache_memory=1 << 20),
+                         SchedulerConfig(max_num_seqs=48))
     assert runner.cuda_graph_batch_sizes == (1, 2, 4, 8, 16, 32, 48)
     assert runner.decode_graphs is None
-    with pytest.raises(ValueError, match="positive integers"):
-        ModelRunner(str(tiny_llama_dir), kv_cache_memory=1 << 20, cuda_graph_batch_sizes=[0, 4])
+    with pytest.raises(ValueError, match="cuda_graph_batch_sizes must be at least 1"):
+        ModelConfig(str(tiny_llama_dir), cuda_graph_batch_sizes=[0, 4])
 
 
 def test_get_info_reports_the_resolved_backend(tiny_llama_dir):
     from executor_svc.server import ExecutorServicer
 
-    runner = ModelRunner(str(tiny_llama_dir), kv_cache_memory=1 << 20)
-    info = ExecutorServicer(runner, "tiny").GetInfo(None, None)
+    runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
+    info = ExecutorServicer(runner).GetInfo(None, None)
     assert info.attention_backend == "torch"
 
 
 def test_executor_cli_rejects_cupy_on_cpu(tiny_llama_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "executor_svc", "--model", str(tiny_llama_dir), "--kv-cache-memory", str(1 << 20),
+        [sys.executable, "-m", "executor_svc", "--model", str(tiny_llama_dir), "--device", "cpu",
+         "--kv-cache-memory", str(1 << 20),
          "--attention-backend", "cupy", "--port", "0"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
@@ -94,16 +100,17 @@ def test_executor_cli_rejects_cupy_on_cpu(tiny_llama_dir):
 
 
 def test_launcher_passes_backend_and_graph_options_to_the_executor(monkeypatch):
-    from pagedserve.entrypoints.launcher import Stack, StackConfig
+    from pagedserve.config import PagedServeConfig
+    from pagedserve.entrypoints.launcher import Stack
 
     spawned = {}
     monkeypatch.setattr(Stack, "_spawn", lambda self, module, address, args: spawned.__setitem__(module, args))
-    Stack(StackConfig(port=0, attention_backend="torch", enforce_eager=True, max_num_seqs=32)).start()
+    Stack(PagedServeConfig.from_kwargs(port=0, attention_backend="torch", enforce_eager=True, max_num_seqs=32)).start()
     executor = spawned["executor_svc"]
     assert executor[executor.index("--attention-backend") + 1] == "torch"
     assert executor[executor.index("--max-num-seqs") + 1] == "32"
     assert "--enforce-eager" in executor
-    Stack(StackConfig(port=0)).start()
+    Stack(PagedServeConfig.from_kwargs(port=0)).start()
     executor = spawned["executor_svc"]
     assert executor[executor.index("--attention-backend") + 1] == "auto" and "--enforce-eager" not in executor
 
@@ -130,14 +137,14 @@ def test_pagedserve_up_passes_the_backend(monkeypatch):
     monkeypatch.setattr(pagedserve.entrypoints.launcher, "Stack", FakeStack)
     with pytest.raises(Started):
         cli.main(["up", "--device", "cpu", "--attention-backend", "cupy", "--enforce-eager"])
-    assert seen[-1].attention_backend == "cupy" and seen[-1].enforce_eager
+    assert seen[-1].model_config.attention_backend == "cupy" and seen[-1].model_config.enforce_eager
     with pytest.raises(Started):
         cli.main(["up", "--device", "cpu"])
-    assert seen[-1].attention_backend == "auto" and not seen[-1].enforce_eager
-    assert seen[-1].dtype == "float32"  # auto: float32 on the CPU (bfloat16 on CUDA)
+    assert seen[-1].model_config.attention_backend == "auto" and not seen[-1].model_config.enforce_eager
+    assert seen[-1].model_config.dtype == "float32"  # auto: float32 on the CPU (bfloat16 on CUDA)
     with pytest.raises(Started):
         cli.main(["up", "--device", "cuda"])
-    assert seen[-1].dtype == "bfloat16"
+    assert seen[-1].model_config.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         cli.main(["up", "--attention-backend", "flash"])
 
@@ -279,7 +286,9 @@ def _write_llama_d64(path) -> None:
 
 
 def _emulated_runner(path, library, graphs: bool, dtype: str = "bfloat16") -> ModelRunner:
-    runner = ModelRunner(str(path), dtype=dtype, block_size=BLOCK_SIZE, kv_cache_memory=1 << 22, max_num_seqs=8)
+    runner = ModelRunner(ModelConfig(str(path), dtype=dtype, device="cpu"),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 22),
+                         SchedulerConfig(max_num_seqs=8))
     config = runner.config
     backend = CupyPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim, config.head_dim**-0.5,
                                  launcher=EmulatedLauncher(library))

@@ -597,13 +597,15 @@ def test_emulated_backend_inside_the_model_matches_torch_backend(emulator_librar
     """ModelRunner on the CPU with the emulated kernels (strided V from the fused projection, every layer)
     against the same runner with TorchPagedAttention, over a chunked prefill mixed with a decode."""
     from executor_svc.model_runner import ModelRunner
+    from pagedserve.config import CacheConfig, ModelConfig
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.step import ExecuteRequest, ExecuteStep
 
     _tiny_llama(tmp_path)
     runners = {}
     for name in ("torch", "emulated"):
-        runner = ModelRunner(str(tmp_path), dtype=dtype, block_size=16, kv_cache_memory=1 << 21)
+        runner = ModelRunner(ModelConfig(str(tmp_path), dtype=dtype, device="cpu"),
+                             CacheConfig(block_size=16, kv_cache_memory=1 << 21))
         if name == "emulated":
             config = runner.config
             backend = CupyPagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,

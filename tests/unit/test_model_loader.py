@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from executor_svc.model_config import parse_dtype
 from executor_svc.model_loader import default_model_gguf, resolve_model_dir, safetensors_files
 from executor_svc.model_runner import ModelRunner
+from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteRequest, ExecuteStep
 from tests.conftest import write_tiny_model
@@ -29,8 +30,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(safetensors_files(sharded)) > 2
     tokens = [5, 9, 11, 3, 7]
-    a = last_logits(ModelRunner(str(single), kv_cache_memory=1 << 20), tokens)
-    b = last_logits(ModelRunner(str(sharded), kv_cache_memory=1 << 20), tokens)
+    a = last_logits(ModelRunner(ModelConfig(str(single), device="cpu"), CacheConfig(kv_cache_memory=1 << 20)), tokens)
+    b = last_logits(ModelRunner(ModelConfig(str(sharded), device="cpu"), CacheConfig(kv_cache_memory=1 << 20)), tokens)
     assert torch.equal(a, b)
     with torch.no_grad():
         expected = model(torch.tensor([tokens])).logits[0, -1]
@@ -43,7 +44,7 @@ def test_unknown_architecture_is_refused(tmp_path):
     config["model_type"] = "gpt2"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
-        ModelRunner(str(tmp_path), kv_cache_memory=1 << 20)
+        ModelRunner(ModelConfig(str(tmp_path), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
 
 
 def test_missing_files_are_named(tmp_path):
@@ -54,7 +55,7 @@ def test_missing_files_are_named(tmp_path):
     write_tiny_model("llama", tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no safetensors"):
-        ModelRunner(str(tmp_path / "m"), kv_cache_memory=1 << 20)
+        ModelRunner(ModelConfig(str(tmp_path / "m"), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
 
 
 def test_a_missing_or_misshapen_weight_is_named(tmp_path):
@@ -63,24 +64,25 @@ def test_a_missing_or_misshapen_weight_is_named(tmp_path):
     del weights["model.layers.1.self_attn.k_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="missing weights.*layers.1.self_attn.qkv_proj"):
-        ModelRunner(str(tmp_path), kv_cache_memory=1 << 20)
+        ModelRunner(ModelConfig(str(tmp_path), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
     weights["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(3, 3)
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="k_proj.weight.*shape"):
-        ModelRunner(str(tmp_path), kv_cache_memory=1 << 20)
+        ModelRunner(ModelConfig(str(tmp_path), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
 
 
 def test_bad_dtype_and_budget_are_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="dtype 'float8'"):
         parse_dtype("float8")
     with pytest.raises(ValueError, match="dtype"):
-        ModelRunner(str(tiny_llama_dir), dtype="int8", kv_cache_memory=1 << 20)
+        ModelRunner(ModelConfig(str(tiny_llama_dir), dtype="int8", device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
     with pytest.raises(ValueError, match="kv_cache_memory"):
-        ModelRunner(str(tiny_llama_dir), kv_cache_memory=10)
+        ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory=10))
 
 
 def test_context_length_is_capped_at_what_the_kv_cache_holds(tiny_llama_dir):
-    runner = ModelRunner(str(tiny_llama_dir), block_size=16, kv_cache_memory=1 << 16)
+    runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"),
+                         CacheConfig(block_size=16, kv_cache_memory=1 << 16))
     assert runner.max_model_len == runner.num_blocks * 16 < runner.config.max_model_len
 
 
@@ -92,5 +94,5 @@ def test_a_gguf_path_is_converted_once_and_loads(tmp_path, monkeypatch):
     converted = resolve_model_dir(str(gguf))
     assert (converted / "config.json").is_file() and safetensors_files(converted)
     assert resolve_model_dir(str(gguf)) == converted  # cached: no second conversion
-    runner = ModelRunner(str(gguf), kv_cache_memory=64 << 20)
+    runner = ModelRunner(ModelConfig(str(gguf), device="cpu"), CacheConfig(kv_cache_memory=64 << 20))
     assert runner.config.model_type == "llama" and runner.config.tie_word_embeddings

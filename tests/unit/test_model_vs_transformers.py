@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from executor_svc.model_runner import ModelRunner
+from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteRequest, ExecuteStep
 from tests.conftest import write_tiny_model
@@ -49,7 +50,8 @@ def reference_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 
 def test_mixed_batch_logits_match_transformers_at_every_step(tiny_model):
     path, hf_model = tiny_model
-    runner = ModelRunner(str(path), block_size=BLOCK_SIZE, kv_cache_memory=1 << 20)
+    runner = ModelRunner(ModelConfig(str(path), device="cpu"),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
     driver = TeacherForcedDriver(runner)
     gen = random.Random(1)
     sequences = {name: [gen.randrange(160) for _ in range(200)] for name in ("fresh", "chunked", "decoding")}
@@ -80,7 +82,8 @@ def test_chunked_and_unchunked_prefill_give_the_same_logits(tiny_model):
     tokens = [random.Random(2).randrange(160) for _ in range(90)]
     logits = {}
     for chunks in ([90], [1, 7, 16, 33, 33], [33, 16, 7, 1, 33]):
-        runner = ModelRunner(str(path), block_size=BLOCK_SIZE, kv_cache_memory=1 << 20)
+        runner = ModelRunner(ModelConfig(str(path), device="cpu"),
+                             CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
         driver = TeacherForcedDriver(runner, seed=len(chunks))
         start = 0
         for n in chunks:
@@ -95,7 +98,8 @@ def test_chunked_and_unchunked_prefill_give_the_same_logits(tiny_model):
 def test_bfloat16_logits_stay_within_bf16_tolerance_of_transformers(tiny_model):
     path, hf_model = tiny_model
     hf_bf16 = type(hf_model).from_pretrained(path, dtype=torch.bfloat16).eval()
-    runner = ModelRunner(str(path), dtype="bfloat16", block_size=BLOCK_SIZE, kv_cache_memory=1 << 20)
+    runner = ModelRunner(ModelConfig(str(path), dtype="bfloat16", device="cpu"),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
     driver = TeacherForcedDriver(runner)
     tokens = [random.Random(3).randrange(160) for _ in range(64)]
     expected = reference_logits(hf_bf16, tokens)

@@ -124,7 +124,7 @@ TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), kv_cache_memory=4 << 20, block_size=BLOCK_SIZE * 4)
+    return LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=4 << 20, block_size=BLOCK_SIZE * 4)
 
 
 def test_warm_request_prefills_only_what_is_not_cached_and_matches_a_cold_run(tiny_llama_dir, llm):
@@ -142,7 +142,8 @@ def test_warm_request_prefills_only_what_is_not_cached_and_matches_a_cold_run(ti
     assert computed == 7 + 7
     assert llm.block_manager.prefix_hits >= 48
 
-    cold_llm = LLM(str(tiny_llama_dir), kv_cache_memory=4 << 20, block_size=16, enable_prefix_caching=False)
+    cold_llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=4 << 20, block_size=16,
+                   enable_prefix_caching=False)
     [cold] = cold_llm.generate([second], params)
     assert warm.token_ids == cold.token_ids
     assert [e.logprob for e in warm.logprobs] == pytest.approx([e.logprob for e in cold.logprobs], abs=1e-5)

@@ -1,0 +1,330 @@
+"""The configuration: every default, bound and help text lives here, and nowhere else.
+
+The offline ``LLM``, ``pagedserve up`` and each service's command line are built from these dataclasses
+(flags by ``add_arguments``, back to dataclasses by ``from_args``), so that a flag cannot drift from its
+field. ``python -m pagedserve.config docs/configuration.md`` renders the reference tables of that doc.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+# The KV cache a CPU executor takes without kv_cache_memory at most (vLLM's CPU build default).
+CPU_KV_CACHE_CAP = 4 << 30
+# Where each service listens unless told (--port); pagedserve up's public API is the frontend's.
+SERVICE_PORTS = {"frontend": 50051, "scheduler_svc": 50052, "kvcache_svc": 50053, "executor_svc": 50054}
+
+
+def option(default, help: str, *, choices=None, min=None, max=None, flag: bool = True):
+    """A configuration field: its default, bounds (inclusive) or choices, and help. flag=False: a fact that
+    the service learns from another one at start-up, not an option."""
+    metadata = {"help": help, "choices": choices, "min": min, "max": max, "flag": flag}
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple for a sequence default")
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _kind(hint) -> tuple[type, bool, bool]:
+    """(base type, None allowed, a tuple of base) of a field's annotation."""
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    if typing.get_origin(hint) is tuple:
+        return typing.get_args(hint)[0], optional, True
+    return hint, optional, False
+
+
+def _type_ok(value, base: type) -> bool:
+    if base is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if base is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, base)
+
+
+class _Config:
+    """Checks every field against its annotation and metadata; an error message starts with the field name."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            base, optional, is_tuple = _kind(hints[f.name])
+            if value is None:
+                if optional:
+                    continue
+                raise ValueError(f"{f.name} must be given, got None")
+            items = value
+            if is_tuple:
+                if not isinstance(value, (list, tuple)) or not value:
+                    raise ValueError(f"{f.name} must be a non-empty sequence of {base.__name__}, got {value!r}")
+                object.__setattr__(self, f.name, tuple(value))
+            else:
+                items = (value,)
+            for item in items:
+                self._check_one(f, base, value, item)
+
+    @staticmethod
+    def _check_one(f: dataclasses.Field, base: type, value, item) -> None:
+        meta = f.metadata
+        if not _type_ok(item, base):
+            raise ValueError(f"{f.name} must be {base.__name__}, got {value!r}")
+        if meta["choices"] is not None and item not in meta["choices"]:
+            raise ValueError(f"{f.name} must be one of {', '.join(meta['choices'])}, got {value!r}")
+        if meta["min"] is not None and item < meta["min"]:
+            raise ValueError(f"{f.name} must be at least {meta['min']}, got {value!r}")
+        if meta["max"] is not None and item > meta["max"]:
+            raise ValueError(f"{f.name} must be at most {meta['max']}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Config):
+    """What runs: the checkpoint, its numbers and how the executor runs it."""
+
+    model: str = option("default", "`default` (SmolLM2-135M-Instruct), a Hugging Face directory or a `.gguf` file")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model's)")
+    device: str = option("auto", "`auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`")
+    dtype: str = option("auto", "weights and KV cache; `auto`: bfloat16 on CUDA, float32 on the CPU",
+                        choices=("auto", "float32", "bfloat16", "float16"))
+    max_model_len: int | None = option(None, "context length (default: the model's; capped at what the KV "
+                                             "cache holds)", min=1)
+    seed: int = option(0, "seeds torch at start-up (a request's own seed is a sampling parameter)", min=0)
+    attention_backend: str = option("auto", "`auto`: the CuPy CUDA kernels on a CUDA device where they can "
+                                            "run, else torch", choices=("auto", "torch", "cupy"))
+    enforce_eager: bool = option(False, "no CUDA graphs: every decode step runs eagerly")
+    cuda_graph_batch_sizes: tuple[int, ...] | None = option(
+        None, "decode batch sizes to capture a CUDA graph for (default: 1, 2, 4, ... 256 up to max_num_seqs)",
+        min=1)
+
+    def resolved(self) -> "ModelConfig":
+        """This config with `auto` device and dtype made concrete for this machine."""
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        # bfloat16 runs the CUDA kernels on tensor cores; float32 keeps CPU outputs equal to the reference.
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+        return dataclasses.replace(self, device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class CacheConfig(_Config):
+    """The paged KV cache: its blocks, its size, prefix caching and the offload tier."""
+
+    block_size: int = option(16, "tokens per KV block", min=1, max=1024)
+    kv_cache_memory: int | None = option(
+        None, "bytes for the KV cache (default: on CUDA `kv_cache_fraction` of free device memory after the "
+              "weights load; on the CPU what `max_num_seqs` requests of `max_model_len` tokens take, at most "
+              f"{CPU_KV_CACHE_CAP >> 30} GiB and at most `kv_cache_fraction` of the host's memory)", min=1)
+    kv_cache_fraction: float = option(0.3, "without `kv_cache_memory`: the share of free device memory (CUDA) "
+                                           "or the cap as a share of total host memory (CPU)", min=0.01, max=1.0)
+    enable_prefix_caching: bool = option(True, "reuse the KV of full blocks already computed for the same prefix")
+    offload: str | None = option(None, "where evicted prefix blocks go (default: `host`, or `redis` with "
+                                       "`redis_url`)", choices=("host", "redis", "none"))
+    offload_host_bytes: int = option(1 << 30, "bytes of host memory for the `host` offload tier", min=1)
+    redis_url: str | None = option(None, "`redis://host:port/db` for the offload tier")
+    redis_ttl: int | None = option(None, "seconds an offloaded block lives in Redis (default: until evicted)",
+                                   min=1)
+    offload_all: bool = option(False, "copy every block to the offload tier as it fills, not only on eviction")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.offload == "redis" and not self.redis_url:
+            raise ValueError("offload 'redis' needs redis_url")
+
+    @property
+    def offload_kind(self) -> str:
+        return self.offload or ("redis" if self.redis_url else "host")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(_Config):
+    """Continuous batching: how many requests and tokens one step takes."""
+
+    max_num_seqs: int = option(256, "requests in one step (also the largest decode batch given a CUDA graph)",
+                               min=1)
+    max_num_batched_tokens: int = option(2048, "token budget of one step (prefill chunks + decodes); without "
+                                               "chunked prefill at least the context length", min=1)
+    enable_chunked_prefill: bool = option(True, "split a long prompt across steps so running decodes keep "
+                                                "their pace")
+    # Facts, not options: none until build_scheduler fills them in from what the executor reports.
+    block_size: int | None = option(None, "tokens per KV block, as the executor reports it", min=1, flag=False)
+    max_model_len: int | None = option(None, "context length, as the executor reports it (what its KV cache "
+                                             "holds and the model allows)", min=1, flag=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                "max_num_batched_tokens must be at least max_model_len "
+                f"({self.max_model_len}) without chunked prefill, so that any prompt fits in one step"
+            )
+
+
+@dataclass(frozen=True)
+class ServingConfig(_Config):
+    """The processes: where each listens, where it finds the others, how it logs and waits."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int | None = option(None, "port to listen on (default: frontend and `pagedserve up` "
+                                     f"{SERVICE_PORTS['frontend']}, scheduler_svc {SERVICE_PORTS['scheduler_svc']}, "
+                                     f"kvcache_svc {SERVICE_PORTS['kvcache_svc']}, executor_svc "
+                                     f"{SERVICE_PORTS['executor_svc']}; 0: a free one)", min=0, max=65535)
+    executor: str | None = option(None, "host:port of executor_svc")
+    kvcache: str | None = option(None, "host:port of kvcache_svc")
+    scheduler: str | None = option(None, "host:port of scheduler_svc")
+    log_level: str = option("INFO", "logging threshold", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    startup_timeout: float = option(600.0, "seconds to wait for the service this one needs (or, for "
+                                           "`pagedserve up`, for each service) to come up", min=1.0)
+    max_streams: int = option(512, "concurrent Generate streams the frontend serves", min=1)
+
+    def listen_port(self, service: str) -> int:
+        return SERVICE_PORTS[service] if self.port is None else self.port
+
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ServingConfig)
+
+
+@dataclass(frozen=True)
+class PagedServeConfig:
+    """All four parts together (vLLM's VllmConfig)."""
+
+    model_config: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache_config: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+    serving_config: ServingConfig = dataclasses.field(default_factory=ServingConfig)
+
+    @classmethod
+    def from_kwargs(cls, caller: str = "PagedServeConfig", classes=CONFIG_CLASSES, **kwargs) -> "PagedServeConfig":
+        """Flat keyword arguments (the options of `classes`) sorted into their parts; an unknown one is refused."""
+        parts = {}
+        for config_cls in classes:
+            names = [f.name for f in option_fields(config_cls)]
+            parts[config_cls] = config_cls(**{n: kwargs.pop(n) for n in names if n in kwargs})
+        if kwargs:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {next(iter(kwargs))!r}")
+        return cls(*(parts.get(c, c()) for c in CONFIG_CLASSES))
+
+
+# ---------------------------------------------------------------------------------------------- flags
+# A service declares what it takes as {config class: field names, or None for all its options}.
+
+def option_fields(cls, names=None) -> list[dataclasses.Field]:
+    found = [f for f in dataclasses.fields(cls) if f.metadata["flag"]]
+    if names is None:
+        return found
+    unknown = set(names) - {f.name for f in found}
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no option {sorted(unknown)}")
+    return [f for f in found if f.name in names]
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, sections: dict) -> None:
+    for cls, names in sections.items():
+        group = parser.add_argument_group(cls.__name__, cls.__doc__)
+        hints = typing.get_type_hints(cls)
+        for f in option_fields(cls, names):
+            base, _optional, is_tuple = _kind(hints[f.name])
+            meta = f.metadata
+            kwargs = {"default": f.default, "help": meta["help"], "dest": f.name}
+            if f.default is not None and base is not bool:  # argparse adds it for booleans
+                kwargs["help"] += " (default: %(default)s)"
+            if base is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs.update(type=base, choices=meta["choices"], metavar=None if meta["choices"] else f.name.upper())
+                if is_tuple:
+                    kwargs["nargs"] = "+"
+            group.add_argument(_flag(f), **kwargs)
+
+
+def from_args(parser: argparse.ArgumentParser, args: argparse.Namespace, sections: dict) -> dict:
+    """The dataclasses back from parsed flags: {config class: instance}; a refused value is a usage error."""
+    try:
+        return {cls: cls(**{f.name: getattr(args, f.name) for f in option_fields(cls, names)})
+                for cls, names in sections.items()}
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def parse(prog: str, description: str | None, sections: dict, argv: list[str] | None = None,
+          required: tuple[str, ...] = ()) -> dict:
+    """A service's command line; `required` names options (optional in the config) it cannot start without."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser, sections)
+    args = parser.parse_args(argv)
+    missing = [f"--{name.replace('_', '-')}" for name in required if getattr(args, name) is None]
+    if missing:
+        parser.error(f"the following arguments are required: {', '.join(missing)}")
+    return from_args(parser, args, sections)
+
+
+def to_argv(config: PagedServeConfig, sections: dict) -> list[str]:
+    """The flags that give a service (declared by `sections`) these config values."""
+    by_class = {type(part): part for part in (getattr(config, f.name) for f in dataclasses.fields(config))}
+    argv: list[str] = []
+    for cls, names in sections.items():
+        for f in option_fields(cls, names):
+            value = getattr(by_class[cls], f.name)
+            if isinstance(value, bool):
+                argv.append(_flag(f) if value else "--no-" + _flag(f)[2:])
+            elif isinstance(value, tuple):
+                argv += [_flag(f), *map(str, value)]
+            elif value is not None:
+                argv += [_flag(f), str(value)]
+    return argv
+
+
+# ---------------------------------------------------------------------------------------------- docs
+TABLES_BEGIN = "<!-- the tables below are rendered from pagedserve/config.py: python -m pagedserve.config -->"
+TABLES_END = "<!-- end of rendered tables -->"
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ", ".join(f"`{v}`" for v in value)
+    return f"`{value}`"
+
+
+def render_tables() -> str:
+    out = []
+    for cls in CONFIG_CLASSES:
+        out += [f"### `{cls.__name__}`", "", cls.__doc__, "",
+                "| field | flag | default | allowed | meaning |", "|---|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            low, high = meta["min"], meta["max"]
+            allowed = (_cell(meta["choices"]) if meta["choices"] else f"{low} to {high}" if high is not None
+                       else f"≥ {low}" if low is not None else "")
+            flag = f"`{_flag(f)}`" if meta["flag"] else "(from the executor)"
+            out.append(f"| `{f.name}` | {flag} | {_cell(f.default)} | {allowed} | {meta['help']} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def render_doc(text: str) -> str:
+    """The doc with the text between its table markers replaced by the rendered tables."""
+    head, rest = text.split(TABLES_BEGIN)
+    _, tail = rest.split(TABLES_END)
+    return f"{head}{TABLES_BEGIN}\n\n{render_tables()}\n{TABLES_END}{tail}"
+
+
+if __name__ == "__main__":
+    doc = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/configuration.md")
+    doc.write_text(render_doc(doc.read_text()))

@@ -1,0 +1,206 @@
+"""The configuration: validation, flags that round-trip through every parser, the KV sizing rule, the doc."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import executor_svc.__main__
+import frontend.__main__
+import kvcache_svc.__main__
+import scheduler_svc.__main__
+from executor_svc import kv_cache
+from pagedserve import config as cfg
+from pagedserve.config import CacheConfig, ModelConfig, PagedServeConfig, SchedulerConfig, ServingConfig
+from pagedserve.entrypoints import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = [executor_svc.__main__, kvcache_svc.__main__, scheduler_svc.__main__, frontend.__main__]
+
+# Every option set away from its default, so that a flag that is dropped or renamed shows.
+CHANGED = PagedServeConfig(
+    ModelConfig(model="m", tokenizer="t", device="cpu", dtype="bfloat16", max_model_len=77, seed=3,
+                attention_backend="torch", enforce_eager=True, cuda_graph_batch_sizes=(1, 3)),
+    CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
+                offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True),
+    SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False),
+    ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",
+                  startup_timeout=5.5, max_streams=9),
+)
+
+
+def _bad_values(f: dataclasses.Field):
+    meta = f.metadata
+    if meta["choices"]:
+        yield "nonsense"
+    if meta["min"] is not None:
+        yield meta["min"] - 1 if isinstance(meta["min"], int) else meta["min"] / 2
+    if meta["max"] is not None:
+        yield meta["max"] + 1
+    yield object()  # a wrong type
+
+
+@pytest.mark.parametrize("field", [(cls, f) for cls in cfg.CONFIG_CLASSES for f in dataclasses.fields(cls)],
+                         ids=lambda p: f"{p[0].__name__}.{p[1].name}")
+def test_a_refused_value_names_its_field(field):
+    cls, f = field
+    for bad in _bad_values(f):
+        value = (bad,) if "tuple" in str(f.type) and not isinstance(bad, str) else bad
+        with pytest.raises(ValueError, match=f"^{f.name} "):
+            cls(**{f.name: value})
+
+
+def test_cross_field_rules():
+    with pytest.raises(ValueError, match="^max_num_batched_tokens must be at least max_model_len"):
+        SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=100, max_model_len=200)
+    with pytest.raises(ValueError, match="^offload 'redis' needs redis_url"):
+        CacheConfig(offload="redis")
+    assert CacheConfig().offload_kind == "host" and CacheConfig(redis_url="redis://r").offload_kind == "redis"
+
+
+def test_unknown_keyword_is_refused_by_name():
+    from pagedserve import LLM
+
+    with pytest.raises(TypeError, match="LLM\\(\\) got an unexpected keyword argument 'kv_cache_memry'"):
+        LLM(kv_cache_memry=1 << 20)
+    with pytest.raises(TypeError, match="'port'"):  # a serving option: the offline engine serves nothing
+        LLM(port=1)
+    parts = PagedServeConfig.from_kwargs(max_num_seqs=3, block_size=8, log_level="ERROR", dtype="float16")
+    assert (parts.scheduler_config.max_num_seqs, parts.cache_config.block_size, parts.serving_config.log_level,
+            parts.model_config.dtype) == (3, 8, "ERROR", "float16")
+
+
+def test_every_option_differs_from_its_default_in_the_round_trip_config():
+    for part in (getattr(CHANGED, f.name) for f in dataclasses.fields(CHANGED)):
+        for f in cfg.option_fields(type(part)):
+            assert getattr(part, f.name) != f.default, f.name
+
+
+def _expected(config: PagedServeConfig, sections: dict) -> dict:
+    parts = {type(p): p for p in (getattr(config, f.name) for f in dataclasses.fields(config))}
+    return {cls: cls(**{f.name: getattr(parts[cls], f.name) for f in cfg.option_fields(cls, names)})
+            for cls, names in sections.items()}
+
+
+@pytest.mark.parametrize("service", SERVICES, ids=lambda m: m.__name__)
+def test_each_service_parses_its_flags_back_to_the_same_config(service):
+    assert service.parse_args(cfg.to_argv(CHANGED, service.SECTIONS)) == _expected(CHANGED, service.SECTIONS)
+
+
+def test_every_option_reaches_a_service_or_the_launcher():
+    taken = {(cls, f.name) for sections in [cli.UP_SECTIONS, *(s.SECTIONS for s in SERVICES)]
+             for cls, names in sections.items() for f in cfg.option_fields(cls, names)}
+    assert taken == {(cls, f.name) for cls in cfg.CONFIG_CLASSES for f in cfg.option_fields(cls)}
+
+
+def test_the_launchers_argv_parses_with_each_services_parser():
+    from pagedserve.entrypoints.launcher import SERVICES as LAUNCHED, Stack
+
+    stack = Stack(CHANGED)
+    assert list(LAUNCHED.values()) == SERVICES
+    for name, service in LAUNCHED.items():
+        serving = dataclasses.replace(
+            CHANGED.serving_config, port=int(stack.addresses[name].rsplit(":", 1)[1]),
+            executor=stack.executor_address, kvcache=stack.kvcache_address, scheduler=stack.scheduler_address,
+        )
+        expected = _expected(dataclasses.replace(CHANGED, serving_config=serving), service.SECTIONS)
+        assert service.parse_args(stack.service_argv(name)) == expected, name
+    assert stack.address == "0.0.0.0:1234"
+
+
+def test_pagedserve_up_builds_the_config_from_its_flags(monkeypatch, capsys):
+    import pagedserve.entrypoints.launcher
+
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    class FakeStack:
+        def __init__(self, config):
+            seen.append(config)
+
+        def __enter__(self):
+            raise Started
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(pagedserve.entrypoints.launcher, "Stack", FakeStack)
+    with pytest.raises(Started):
+        cli.main(["up", *cfg.to_argv(CHANGED, cli.UP_SECTIONS)])
+    expected = _expected(CHANGED, cli.UP_SECTIONS)
+    assert (seen[-1].model_config, seen[-1].cache_config, seen[-1].scheduler_config) == (
+        expected[ModelConfig], expected[CacheConfig], expected[SchedulerConfig])
+    assert seen[-1].serving_config == expected[ServingConfig]
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--max-num-seqs", "0"])
+    assert "max_num_seqs must be at least 1" in capsys.readouterr().err
+
+
+def test_the_try_hint_names_a_non_default_address(monkeypatch, capsys):
+    import pagedserve.entrypoints.launcher
+
+    class FakeStack:
+        def __init__(self, config):
+            self.address = f"{config.serving_config.host}:{config.serving_config.port or 50051}"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(pagedserve.entrypoints.launcher, "Stack", FakeStack)
+    monkeypatch.setattr(cli.threading.Event, "wait", lambda self, timeout=None: True)
+    cli.main(["up", "--device", "cpu"])
+    assert "try: pagedserve generate --chat" in capsys.readouterr().out
+    cli.main(["up", "--device", "cpu", "--port", "6000"])
+    assert "try: pagedserve generate --address 127.0.0.1:6000 --chat" in capsys.readouterr().out
+
+
+def test_cpu_kv_cache_is_sized_from_the_workload_and_capped(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(kv_cache, "host_memory_total", lambda: 64 << 30)
+    budget = kv_cache.kv_cache_budget
+    assert budget(CacheConfig(), cpu, bytes_per_token=1000, max_model_len=100, max_num_seqs=10) == 1_000_000
+    # SmolLM2-135M in float32: 46080 bytes per token, 8192 tokens, 256 requests would be 96 GB.
+    assert budget(CacheConfig(), cpu, 46080, 8192, 256) == cfg.CPU_KV_CACHE_CAP == 4 << 30
+    monkeypatch.setattr(kv_cache, "host_memory_total", lambda: 8 << 30)
+    assert budget(CacheConfig(), cpu, 46080, 8192, 256) == int((8 << 30) * 0.3)
+    assert budget(CacheConfig(kv_cache_memory=5), cpu, 46080, 8192, 256) == 5
+
+
+def test_runner_without_a_budget_holds_max_num_seqs_full_contexts(tiny_llama_dir):
+    from executor_svc.model_runner import ModelRunner
+
+    runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(block_size=16),
+                         SchedulerConfig(max_num_seqs=3))
+    assert runner.max_model_len == 512  # the tiny model's context
+    assert runner.num_blocks == 3 * 512 // 16
+
+
+def test_llm_builds_its_cores_with_the_services_builders(tiny_llama_dir):
+    from pagedserve import LLM
+    from pagedserve.entrypoints import offline
+
+    # The same functions the services call (the executor imports its builder when it starts serving).
+    assert offline.build_block_manager is kvcache_svc.__main__.build_block_manager
+    assert offline.build_scheduler is scheduler_svc.__main__.build_scheduler
+    llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=1 << 20, enable_chunked_prefill=False,
+              max_num_batched_tokens=16, enable_prefix_caching=False, max_num_seqs=5)
+    config = llm.scheduler.config
+    # build_scheduler's rule: without chunked prefill the budget grows to the executor's context length.
+    assert (config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs) == (512, 512, 5)
+    assert config.block_size == llm.runner.block_size == 16
+    assert not llm.block_manager.enable_prefix_caching
+    assert llm.block_manager.num_blocks == llm.runner.num_blocks
+
+
+def test_configuration_doc_is_rendered_from_the_dataclasses():
+    doc = ROOT / "docs" / "configuration.md"
+    text = doc.read_text()
+    assert cfg.render_doc(text) == text, "docs/configuration.md is stale: run python -m pagedserve.config"
+    assert "| `max_num_seqs` | `--max-num-seqs` | `256` |" in text
