@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,10 @@ from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep
 
 logger = logging.getLogger(__name__)
+
+class StaleEpoch(Exception):
+    """A step planned for another executor instance."""
+
 
 @dataclass
 class RequestState:
@@ -99,6 +104,9 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        # This instance: a plan made for another one assumes KV this one never computed.
+        self.epoch = uuid.uuid4().hex
+        self.scheduler_id = ""  # whose requests self.requests holds
         self.offload_tier = offload_tier
         self.block_bytes = self.config.kv_bytes_per_token(self.dtype) * block_size
         self.blocks_saved = self.blocks_loaded = self.failed_loads = 0
@@ -116,6 +124,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: ExecuteStep) -> ExecuteResult:
+        """Runs the step. Raises StaleEpoch for a step planned for another executor instance; refuses (in
+        result.rejected) the requests that would read or write outside what they own."""
         sampling, logits, result = self._run_model(step)
         if not sampling:
             return result
@@ -144,24 +154,55 @@ class ModelRunner:
         return {req.request_id: logits[row] for row, req in enumerate(sampling)}
 
     def _run_model(self, step: ExecuteStep) -> tuple[list[ExecuteRequest], torch.Tensor | None, ExecuteResult]:
+        if step.executor_epoch and step.executor_epoch != self.epoch:
+            raise StaleEpoch(f"the step was planned for executor {step.executor_epoch}, this is {self.epoch}")
+        if step.scheduler_id != self.scheduler_id:
+            self.requests.clear()  # a new scheduler: the old one's requests are gone
+            self.scheduler_id = step.scheduler_id
         for request_id in step.finished_request_ids:
             self.requests.pop(request_id, None)
+        rejected: dict[str, str] = {}
+        accepted = []
         for req in step.requests:
+            error = self._check(req)
+            if error is not None:
+                rejected[req.request_id] = error
+                continue
+            accepted.append(req)
             if req.sampling_params is not None:
                 self.requests[req.request_id] = RequestState(
                     req.sampling_params, list(req.new_block_ids), req.prompt_len
                 )
-            elif req.request_id in self.requests:
-                self.requests[req.request_id].block_ids.extend(req.new_block_ids)
             else:
-                raise KeyError(f"request {req.request_id!r} is unknown to the executor and carries no sampling_params")
+                self.requests[req.request_id].block_ids.extend(req.new_block_ids)
         # Blocks about to be overwritten leave first; then prefix blocks come back from the tier.
         self._save_blocks(step.save_blocks)
-        requests, num_loaded, num_failed = self._load_blocks(step.requests)
-        try:
-            return self._forward(requests, num_loaded, num_failed)
-        finally:
-            self._save_blocks(step.save_blocks_after)
+        requests, num_loaded, num_failed = self._load_blocks(accepted)
+        sampling, logits, result = self._forward(requests, num_loaded, num_failed)
+        # Only what the step computed goes to the tier: a failed step saves nothing.
+        self._save_blocks(step.save_blocks_after)
+        result.rejected = rejected
+        return sampling, logits, result
+
+    def _check(self, req: ExecuteRequest) -> str | None:
+        """Why the request cannot run (it would read or write outside what it owns), or None."""
+        state = self.requests.get(req.request_id)
+        if req.sampling_params is None and state is None:
+            return "unknown to the executor and carries no sampling parameters"
+        if not req.token_ids:
+            return "no tokens to compute"
+        if min(req.token_ids) < 0 or max(req.token_ids) >= self.config.vocab_size:
+            return f"token ids must be in [0, {self.config.vocab_size})"
+        end = req.start_position + len(req.token_ids)
+        if req.start_position < 0 or end > self.max_model_len:
+            return f"positions [{req.start_position}, {end}) outside [0, {self.max_model_len})"
+        block_ids = req.new_block_ids + [t.block_id for t in req.load_blocks]
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+            return f"block ids must be in [0, {self.num_blocks})"
+        num_held = len(req.new_block_ids) + (len(state.block_ids) if req.sampling_params is None else 0)
+        if num_held * self.block_size < end:
+            return f"{num_held} blocks cannot hold {end} positions"
+        return None
 
     def _forward(self, requests: list[ExecuteRequest], num_loaded: int, num_failed: int):
         if not requests:

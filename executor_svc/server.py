@@ -1,14 +1,19 @@
 """The executor service: one batched Execute call per engine step."""
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
 
-from executor_svc.model_runner import ModelRunner
+import grpc
+
+from executor_svc.model_runner import ModelRunner, StaleEpoch
 from executor_svc.offload import HostTier, RedisTier
 from pagedserve.convert import execute_result_to_proto, execute_step_from_proto
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 
 class StepWorker:
@@ -55,7 +60,7 @@ def executor_info(runner: ModelRunner) -> executor_pb2.ExecutorInfo:
         blocks_loaded=runner.blocks_loaded, failed_loads=runner.failed_loads,
         bytes_moved=runner.bytes_saved + runner.bytes_loaded, tier_errors=tier.errors if tier else 0,
         offload_capacity_blocks=tier.capacity_bytes // runner.block_bytes if isinstance(tier, HostTier) else 0,
-        offload_redis_url=tier.url if isinstance(tier, RedisTier) else "",
+        offload_redis_url=tier.url if isinstance(tier, RedisTier) else "", epoch=runner.epoch,
     )
 
 
@@ -66,8 +71,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self.worker = StepWorker()
 
     def Execute(self, request, context):
-        step = execute_step_from_proto(request)
-        result = self.worker.submit(self.runner.execute, step).result()
+        step, rejected = execute_step_from_proto(request)
+        try:
+            result = self.worker.submit(self.runner.execute, step).result()
+        except StaleEpoch as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except Exception as error:  # the scheduler rolls the step back; the cause belongs in this log
+            logger.exception("step failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
+        result.rejected.update(rejected)
         return execute_result_to_proto(result)
 
     def GetInfo(self, request, context):

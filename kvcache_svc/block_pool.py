@@ -168,5 +168,14 @@ class BlockPool:
         self.cached_blocks[block_hash] = block
         return True
 
+    def forget_cached_blocks(self) -> None:
+        """Empties the prefix index (its KV is gone): cached blocks become plain ones where they are."""
+        for block in self.cached_blocks.values():
+            if block.ref_cnt == 0:
+                self._num_cached_evictable -= 1
+            block.block_hash = None
+        self.cached_blocks.clear()
+        self.evicted.clear()
+
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self.cached_blocks.get(block_hash)

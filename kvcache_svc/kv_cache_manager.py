@@ -8,8 +8,11 @@ and is reported preempted, until the request fits or is itself the one preempted
 last-in-first-out by construction and the scheduler never predicts a block count. Waiting requests are
 admitted in order, only if nobody was preempted this step, up to the first that does not fit.
 
-With prefix caching (on by default) every full block is indexed under its chained hash as soon as the
-step that computes it is served; an admitted request starts from the longest run of leading blocks
+With prefix caching (on by default) every full block is indexed under its chained hash once the step that
+computes it has run: the call that plans a step notes the blocks it fills, and the next call, which says
+whether the executor ran it (and which requests of it failed), indexes them or forgets them. So the index
+never names a block whose KV was not computed. When the executor is replaced (a new epoch) every block
+it held is dropped from the index, and when the scheduler is, every request it had. An admitted request starts from the longest run of leading blocks
 already in the pool, referenced rather than recomputed. Its last prompt token is always computed, since
 its logits are needed. Unreferenced cached blocks stay in the free queue and are evicted LRU.
 
@@ -49,6 +52,13 @@ class KVCacheManager:
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
         self.requests: dict[str, RequestBlocks] = {}
+        # The scheduler and executor instances the pool's state belongs to (None until the first step).
+        self.scheduler_id: str | None = None
+        self.executor_epoch: str | None = None
+        # Full blocks the last call's step fills, indexed once it is known to have run:
+        # (request id, its state, block index in its table, hash).
+        self._unconfirmed: list[tuple[str, RequestBlocks, int, bytes]] = []
+        self._unconfirmed_step_id: int | None = None
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash(f"{model_id}|block_size={block_size}")
         self.prefix_queries = 0  # prompt tokens of admitted requests
@@ -98,6 +108,9 @@ class KVCacheManager:
             self.block_pool.free_blocks(reversed(state.blocks))
 
     def step(self, step_request: BlockStepRequest) -> BlockStepResult:
+        self._follow_instances(step_request.scheduler_id, step_request.executor_epoch)
+        self._confirm_previous_step(step_request.executed_step_id, set(step_request.failed_request_ids))
+        self._unconfirmed_step_id = step_request.step_id
         for request_id in step_request.free_request_ids:
             self.free(request_id)
         result = BlockStepResult()
@@ -124,6 +137,34 @@ class KVCacheManager:
         self._collect_transfers(result)
         return result
 
+    def _follow_instances(self, scheduler_id: str, executor_epoch: str) -> None:
+        if self.executor_epoch is not None and executor_epoch != self.executor_epoch:
+            # The KV behind every block died with the old executor: nothing in the pool may be served again.
+            self._unconfirmed = []
+            for request_id in list(self.requests):
+                self.free(request_id)
+            self.block_pool.forget_cached_blocks()
+            if self.tier is not None:
+                self.tier.executor_replaced()
+        elif self.scheduler_id is not None and scheduler_id != self.scheduler_id:
+            # A new scheduler re-submits what it serves; the old one's tables would only leak.
+            self._unconfirmed = []
+            for request_id in list(self.requests):
+                self.free(request_id)
+        self.scheduler_id, self.executor_epoch = scheduler_id, executor_epoch
+
+    def _confirm_previous_step(self, executed_step_id: int, failed: set[str]) -> None:
+        unconfirmed, self._unconfirmed = self._unconfirmed, []
+        if executed_step_id != self._unconfirmed_step_id:
+            return  # the previous call's step never ran: its blocks hold nothing
+        for request_id, state, index, block_hash_ in unconfirmed:
+            if request_id in failed or self.requests.get(request_id) is not state or len(state.block_hashes) != index:
+                continue
+            state.block_hashes.append(block_hash_)
+            block = state.blocks[index]
+            if block.block_hash is None:
+                self.block_pool.cache_full_block(block, block_hash_)
+
     def _preempt(self, request_id: str, result: BlockStepResult) -> None:
         self.free(request_id)
         self.num_preemptions += 1
@@ -141,7 +182,7 @@ class KVCacheManager:
         state.num_tokens = max(state.num_tokens, request.num_tokens)
         if request.new_token_ids:
             state.token_ids.extend(request.new_token_ids)
-        self._cache_full_blocks(state)
+        self._note_full_blocks(request.request_id, state)
         return [block.block_id for block in new_blocks]
 
     def _admit(self, request: BlockRequest) -> tuple[list[int], int] | None:
@@ -171,10 +212,7 @@ class KVCacheManager:
                 BlockTransfer(block.block_id, block_hash) for block, block_hash in zip(new_blocks, tier_hashes)
             ]
             self.tier_hits += num_tier * bs
-        self._cache_full_blocks(state)
-        if num_tier:  # the tier has these already: no write-through for them
-            loaded = {t.block_id for t in self._tier_loads[request_id]}
-            self._filled = [t for t in self._filled if t.block_id not in loaded]
+        self._note_full_blocks(request_id, state, num_from_tier=num_tier)
         return [block.block_id for block in state.blocks], num_cached
 
     def _cached_prefix(self, tokens: list[int], salt: str | None) -> tuple[list[KVBlock], list[bytes], int]:
@@ -199,8 +237,9 @@ class KVCacheManager:
         num_tier = self.tier.leading_count(hashes[len(hits) :])
         return hits, hashes[: len(hits) + num_tier], num_tier
 
-    def _cache_full_blocks(self, state: RequestBlocks) -> None:
-        """Indexes the request's blocks that the served step fills completely with known tokens."""
+    def _note_full_blocks(self, request_id: str, state: RequestBlocks, num_from_tier: int = 0) -> None:
+        """Notes the request's blocks that the served step fills completely with known tokens, to be indexed
+        once the step has run; the first num_from_tier of them are loaded from the tier, which has them."""
         if not self.enable_prefix_caching:
             return
         hashes, blocks, tokens, bs = state.block_hashes, state.blocks, state.token_ids, self.block_size
@@ -208,9 +247,9 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else self.root_hash
         for i in range(len(hashes), num_full):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], state.cache_salt if i == 0 else None)
-            if blocks[i].block_hash is None and self.block_pool.cache_full_block(blocks[i], parent):
+            self._unconfirmed.append((request_id, state, i, parent))
+            if i >= len(hashes) + num_from_tier and self.block_pool.get_cached_block(parent) is None:
                 self._filled.append(BlockTransfer(blocks[i].block_id, parent))
-            hashes.append(parent)
 
     def _collect_transfers(self, result: BlockStepResult) -> None:
         evicted, self.block_pool.evicted = self.block_pool.evicted, []

@@ -31,6 +31,10 @@ class LocalTierIndex:
         while len(self.hashes) > self.capacity:
             self.hashes.popitem(last=False)
 
+    def executor_replaced(self) -> None:
+        """The host tier lived in the old executor's memory: nothing of it is left."""
+        self.hashes.clear()
+
     def leading_count(self, block_hashes: Sequence[bytes]) -> int:
         """How many of these hashes, from the first, the tier holds."""
         count = 0
@@ -54,6 +58,9 @@ class RedisTierIndex(LocalTierIndex):
         self.client = client
         self.errors = 0
         self.disabled = False
+
+    def executor_replaced(self) -> None:
+        """Redis outlives the executor: what it holds was computed from the same weights and stays valid."""
 
     def leading_count(self, block_hashes: Sequence[bytes]) -> int:
         local = super().leading_count(block_hashes)

@@ -105,7 +105,11 @@ def _block_request_to_proto(r: BlockRequest, out: kvcache_pb2.BlockRequest) -> N
 
 
 def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockStepRequest:
-    out = kvcache_pb2.BlockStepRequest(free_request_ids=request.free_request_ids)
+    out = kvcache_pb2.BlockStepRequest(
+        scheduler_id=request.scheduler_id, executor_epoch=request.executor_epoch, step_id=request.step_id,
+        executed_step_id=request.executed_step_id, failed_request_ids=request.failed_request_ids,
+        free_request_ids=request.free_request_ids,
+    )
     for r in request.running:
         _block_request_to_proto(r, out.running.add())
     for r in request.waiting:
@@ -115,6 +119,11 @@ def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockS
 
 def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> BlockStepRequest:
     return BlockStepRequest(
+        scheduler_id=message.scheduler_id,
+        executor_epoch=message.executor_epoch,
+        step_id=message.step_id,
+        executed_step_id=message.executed_step_id,
+        failed_request_ids=list(message.failed_request_ids),
         free_request_ids=list(message.free_request_ids),
         running=[BlockRequest(r.request_id, r.num_tokens, new_token_ids=list(r.new_token_ids) or None)
                  for r in message.running],
@@ -151,7 +160,10 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
 
 
 def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
-    out = executor_pb2.ExecuteStep(finished_request_ids=step.finished_request_ids)
+    out = executor_pb2.ExecuteStep(
+        finished_request_ids=step.finished_request_ids, executor_epoch=step.executor_epoch,
+        scheduler_id=step.scheduler_id,
+    )
     _transfers_to_proto(step.save_blocks, out.save_blocks)
     _transfers_to_proto(step.save_blocks_after, out.save_blocks_after)
     for r in step.requests:
@@ -166,31 +178,42 @@ def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
     return out
 
 
-def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> ExecuteStep:
-    return ExecuteStep(
-        requests=[
-            ExecuteRequest(
-                request_id=r.request_id,
-                token_ids=list(r.token_ids),
-                start_position=r.start_position,
-                new_block_ids=list(r.new_block_ids),
-                sample=r.sample,
-                sampling_params=sampling_from_proto(r.sampling, None) if r.HasField("sampling") else None,
-                prompt_len=r.prompt_len,
-                load_blocks=_transfers_from_proto(r.load_blocks),
-            )
-            for r in message.requests
-        ],
+def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteStep, dict[str, str]]:
+    """The step, less any request whose sampling parameters are invalid: those come back as
+    {request id: reason}, so that one bad request fails alone."""
+    requests, rejected = [], {}
+    for r in message.requests:
+        try:
+            params = sampling_from_proto(r.sampling, None) if r.HasField("sampling") else None
+        except ValueError as error:
+            rejected[r.request_id] = f"invalid sampling parameters: {error}"
+            continue
+        requests.append(ExecuteRequest(
+            request_id=r.request_id,
+            token_ids=list(r.token_ids),
+            start_position=r.start_position,
+            new_block_ids=list(r.new_block_ids),
+            sample=r.sample,
+            sampling_params=params,
+            prompt_len=r.prompt_len,
+            load_blocks=_transfers_from_proto(r.load_blocks),
+        ))
+    step = ExecuteStep(
+        requests=requests,
         finished_request_ids=list(message.finished_request_ids),
+        executor_epoch=message.executor_epoch,
+        scheduler_id=message.scheduler_id,
         save_blocks=_transfers_from_proto(message.save_blocks),
         save_blocks_after=_transfers_from_proto(message.save_blocks_after),
     )
+    return step, rejected
 
 
 def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult:
     out = executor_pb2.ExecuteResult(
         num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
         num_loaded_blocks=result.num_loaded_blocks, num_failed_loads=result.num_failed_loads,
+        rejected=result.rejected,
     )
     for request_id, token in result.sampled.items():
         token_to_proto(token, out.sampled[request_id])
@@ -204,6 +227,7 @@ def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteRes
         num_decode_tokens=message.num_decode_tokens,
         num_loaded_blocks=message.num_loaded_blocks,
         num_failed_loads=message.num_failed_loads,
+        rejected=dict(message.rejected),
     )
 
 

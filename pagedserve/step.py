@@ -45,7 +45,19 @@ class BlockTransfer:
 
 @dataclass(slots=True)
 class BlockStepRequest:
-    # Requests that ended (finished or aborted) since the last step; freed first.
+    # Who plans the steps, and for which executor: when either changes (a restart, a replacement), the
+    # block manager drops the old one's requests, and on a new executor every block it had indexed, since
+    # that KV is gone, before serving this step.
+    scheduler_id: str = ""
+    executor_epoch: str = ""
+    # Numbers this step. A full block enters the prefix index only once the executor has computed it: the
+    # blocks the previous call filled are indexed when executed_step_id names that call, except those of
+    # failed_request_ids (requests whose part of it did not run); otherwise they are forgotten.
+    step_id: int = 0
+    executed_step_id: int = 0
+    failed_request_ids: list[str] = field(default_factory=list)
+    # Requests that ended (finished, aborted, failed, or preempted by the scheduler) since the last step;
+    # freed first.
     free_request_ids: list[str] = field(default_factory=list)
     # Every running request, highest priority first: served in this order, and preempted from the tail.
     running: list[BlockRequest] = field(default_factory=list)
@@ -99,6 +111,11 @@ class ExecuteRequest:
 @dataclass(slots=True)
 class ExecuteStep:
     requests: list[ExecuteRequest] = field(default_factory=list)
+    # The executor instance the step was planned for: another one (restarted, replacing it) holds none of
+    # the KV the plan assumes, and refuses the step.
+    executor_epoch: str = ""
+    # A new scheduler means the old one's requests are gone: the executor drops their state.
+    scheduler_id: str = ""
     # Requests whose state the executor drops before running this step (finished, aborted, preempted).
     finished_request_ids: list[str] = field(default_factory=list)
     # Copied to the offload tier before the step runs, and after it.
@@ -122,6 +139,9 @@ class ExecuteResult:
     num_decode_tokens: int = 0
     num_loaded_blocks: int = 0  # filled from the offload tier
     num_failed_loads: int = 0  # missing from the tier: their tokens were computed instead
+    # Requests refused before anything ran (invalid token ids, block ids, positions), with the reason;
+    # the rest of the step ran without them.
+    rejected: dict[str, str] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------- scheduler -> frontend

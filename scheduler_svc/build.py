@@ -19,4 +19,4 @@ def build_scheduler(config: SchedulerConfig, executor,
         budget = max(budget, executor.max_model_len)
     config = dataclasses.replace(config, block_size=executor.block_size, max_model_len=executor.max_model_len,
                                  max_num_batched_tokens=budget)
-    return Scheduler(config, allocate_blocks)
+    return Scheduler(config, allocate_blocks, executor_epoch=executor.epoch)

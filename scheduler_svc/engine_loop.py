@@ -2,19 +2,29 @@
 
 Adds and aborts are queued and applied between steps, so the scheduler core is only ever touched by the
 loop's thread. A step runs whenever a request is unfinished or finished requests still hold blocks.
+
+When a peer fails, the loop recovers without losing a request and without spinning: a block manager that
+does not answer is retried with backoff (nothing was planned); an executor that does not answer has the
+step rolled back, and the loop waits, with backoff, until an executor answers again, re-running every
+request from its tokens so far if it is a new instance; a step the executor raised on is rolled back
+and retried without the request that caused it (see Scheduler.step_failed). One warning per outage.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from pagedserve.step import ExecuteResult, ExecuteStep, RequestOutput
 from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable, Scheduler, StepFailed
 
 logger = logging.getLogger(__name__)
+
+FIRST_RETRY_S = 0.05
+MAX_RETRY_S = 2.0
 
 
 class EngineLoop:
@@ -23,14 +33,22 @@ class EngineLoop:
         scheduler: Scheduler,
         execute: Callable[[ExecuteStep], ExecuteResult],
         publish: Callable[[list[RequestOutput]], None],
+        executor_epoch: Callable[[], str],
     ) -> None:
         self.scheduler = scheduler
         self.execute = execute
         self.publish = publish
+        self.executor_epoch = executor_epoch
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.num_steps = 0
+        self.num_failed_steps = 0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # While a peer is down: which one, since when, and how long to wait before the next try.
+        self.outage: str | None = None
+        self.outage_since = 0.0
+        self.retry_delay = 0.0
+        self.executor_lost = False
 
     def start(self) -> None:
         self.thread.start()
@@ -52,8 +70,9 @@ class EngineLoop:
     def _run(self) -> None:
         while not self.stopped.is_set():
             outputs: list[RequestOutput] = []
-            # Block for input only when idle; otherwise take what has arrived and step.
-            command = self.inbox.get() if not self._has_work() else self._poll()
+            # Block for input only when idle; otherwise take what has arrived (waiting out a retry delay)
+            # and step.
+            command = self._poll(self.retry_delay) if self._has_work() else self.inbox.get()
             while command is not None:
                 outputs.extend(self._apply(command))
                 command = self._poll()
@@ -61,17 +80,56 @@ class EngineLoop:
                 break
             if self._has_work():
                 try:
-                    outputs.extend(self.scheduler.step(self.execute))
-                    self.num_steps += 1
-                except Exception:  # a failed step must not end the loop: fail its requests instead
+                    outputs.extend(self._step())
+                except Exception:  # a bug of ours: state is in doubt, so fail what is in flight, loudly
                     logger.exception("engine step failed; failing every unfinished request")
                     outputs.extend(self._fail_all("engine step failed"))
             if outputs:
                 self.publish(outputs)
 
-    def _poll(self):
+    def _step(self) -> list[RequestOutput]:
         try:
-            return self.inbox.get_nowait()
+            if self.executor_lost:
+                epoch = self.executor_epoch()
+                if epoch != self.scheduler.executor_epoch:
+                    logger.warning("a new executor instance serves: re-running %d requests from their tokens so far",
+                                   len(self.scheduler.running))
+                    self.scheduler.executor_replaced(epoch)
+                self.executor_lost = False
+            step = self.scheduler.schedule()
+        except (BlockManagerUnavailable, ExecutorUnavailable) as error:
+            self._down("the KV-cache service" if isinstance(error, BlockManagerUnavailable) else "the executor", error)
+            return []
+        try:
+            result = self.execute(step)
+        except ExecutorUnavailable as error:
+            self.num_failed_steps += 1
+            self.executor_lost = True
+            self._down("the executor", error)
+            return self.scheduler.step_failed(step, None)
+        except StepFailed as error:
+            self.num_failed_steps += 1
+            logger.warning("the executor failed a step of %d requests (%s); retrying without the cause",
+                           len(step.requests), error)
+            return self.scheduler.step_failed(step, str(error))
+        self._up()
+        self.num_steps += 1
+        return self.scheduler.update(step, result)
+
+    def _down(self, peer: str, error: Exception) -> None:
+        if self.outage is None:
+            logger.warning("%s is unavailable (%s); retrying with backoff", peer, error)
+            self.outage, self.outage_since = peer, time.monotonic()
+        self.retry_delay = min(max(self.retry_delay * 2, FIRST_RETRY_S), MAX_RETRY_S)
+
+    def _up(self) -> None:
+        if self.outage is not None:
+            logger.warning("%s is back after %.1f s", self.outage, time.monotonic() - self.outage_since)
+        self.outage, self.retry_delay = None, 0.0
+
+    def _poll(self, timeout: float = 0.0):
+        try:
+            return self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return None
 

@@ -9,10 +9,17 @@ it grows the running ones in order and, when the pool runs short, preempts from 
 running request gives all of its blocks back and returns to the head of the waiting queue, to be
 recomputed later: its output does not change, since it resumes from the tokens it already has). The
 scheduler never counts blocks itself.
+
+A step that fails is rolled back by recompute: its requests give their blocks back and are re-admitted
+(mostly from the prefix cache, which indexes a block only once its step has run). A request the executor
+refuses (a bad token id, block or position) fails alone with the reason. When the executor raises for a
+step of several requests, nobody can tell which one caused it: each of them then runs in a step alone
+until one has succeeded, so that a request that fails again fails alone and the others go on.
 """
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +37,19 @@ from pagedserve.step import (
 from scheduler_svc.request import Request, RequestStatus
 
 
+class BlockManagerUnavailable(Exception):
+    """The block manager did not answer: nothing was planned, and the step may simply be tried again."""
+
+
+class ExecutorUnavailable(Exception):
+    """The executor did not answer, or is not the instance the step was planned for: the step's outcome is
+    unknown."""
+
+
+class StepFailed(Exception):
+    """The executor ran the step and raised."""
+
+
 @dataclass(slots=True)
 class _Scheduled:
     request: Request
@@ -37,9 +57,18 @@ class _Scheduled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocate_blocks: Callable[[BlockStepRequest], BlockStepResult]) -> None:
+    def __init__(self, config: SchedulerConfig, allocate_blocks: Callable[[BlockStepRequest], BlockStepResult],
+                 executor_epoch: str = "") -> None:
         self.config = config
         self.allocate_blocks = allocate_blocks
+        # This scheduler instance, and the executor instance its plans are for (see BlockStepRequest).
+        self.scheduler_id = uuid.uuid4().hex
+        self.executor_epoch = executor_epoch
+        self.next_step_id = 1
+        self.planned_step_id = 0  # of the last plan the block manager served
+        self.executed_step_id = 0  # of the last plan the executor ran
+        self.failed_request_ids: list[str] = []  # requests whose part of that plan failed
+        self.suspects: set[str] = set()  # in a step that raised: each runs alone until one succeeds
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -64,15 +93,7 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
-        if request is None:
-            return None
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        request.finish_reason = "abort"
-        self._finish(request)
-        return self._output(request, [])
+        return self._end(request, "abort") if request is not None else None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -84,26 +105,40 @@ class Scheduler:
         return self.update(execute_step, execute(execute_step))
 
     def schedule(self) -> ExecuteStep:
-        budget = self.config.max_num_batched_tokens
+        """Plans the next step with one call to the block manager; raises BlockManagerUnavailable, with
+        nothing changed, when that call fails."""
+        # A suspect runs alone: the running requests keep their place but get no tokens this step.
+        budget = 0 if self.suspects else self.config.max_num_batched_tokens
         running: list[_Scheduled] = []
         for request in self.running:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             running.append(_Scheduled(request, num_new))
             budget -= num_new
+        candidates = self.waiting
+        if self.suspects:
+            budget = self.config.max_num_batched_tokens
+            candidates = [next(r for r in self.waiting if r.request_id in self.suspects)]
         waiting: list[_Scheduled] = []
-        room = self.config.max_num_seqs - len(self.running)
-        for request in itertools.islice(self.waiting, max(room, 0)):
+        room = 1 if self.suspects else max(self.config.max_num_seqs - len(self.running), 0)
+        for request in itertools.islice(candidates, room):
             num_new = request.num_tokens - request.num_computed_tokens
             if budget <= 0 or (num_new > budget and not self.config.enable_chunked_prefill):
                 break
             waiting.append(_Scheduled(request, min(num_new, budget)))
             budget -= waiting[-1].num_new_tokens
 
+        step_id = self.next_step_id
+        self.next_step_id += 1
         blocks = self.allocate_blocks(BlockStepRequest(
+            scheduler_id=self.scheduler_id, executor_epoch=self.executor_epoch, step_id=step_id,
+            executed_step_id=self.executed_step_id, failed_request_ids=self.failed_request_ids,
             free_request_ids=self.pending_frees,
             running=[self._grow_request(s) for s in running],
             waiting=[self._admit_request(s) for s in waiting],
         ))
+        self.planned_step_id, self.failed_request_ids = step_id, []
+        for s in running:  # the block manager now knows every token these requests have
+            s.request.num_tokens_sent_to_kv = s.request.num_tokens
         executor_frees, self.pending_frees = self.pending_frees, []
         admitted = [s for s in waiting if s.request.request_id in blocks.new_block_ids]
         for s in admitted:
@@ -119,16 +154,24 @@ class Scheduler:
             if s.num_new_tokens > 0 and s.request.request_id not in preempted
         ] + [self._execute_request(s, blocks, admitted=True) for s in admitted]
         return ExecuteStep(
-            requests=requests, finished_request_ids=executor_frees,
-            save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
+            requests=requests, finished_request_ids=executor_frees, executor_epoch=self.executor_epoch,
+            scheduler_id=self.scheduler_id, save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
         )
 
     def update(self, step: ExecuteStep, result: ExecuteResult) -> list[RequestOutput]:
+        self.executed_step_id = self.planned_step_id
         outputs = []
         for executed in step.requests:
-            token = result.sampled.get(executed.request_id)
+            self.suspects.discard(executed.request_id)
             request = self.requests.get(executed.request_id)
-            if token is None or request is None:
+            if request is None:
+                continue
+            if executed.request_id in result.rejected:
+                self.failed_request_ids.append(executed.request_id)
+                outputs.append(self._end(request, "error", result.rejected[executed.request_id]))
+                continue
+            token = result.sampled.get(executed.request_id)
+            if token is None:
                 continue
             request.append_token(token)
             if request.finish_reason is not None:
@@ -138,13 +181,48 @@ class Scheduler:
             outputs.append(self._output(request, [token.token_id], logprobs))
         return outputs
 
+    # ------------------------------------------------------------------ failures
+
+    def step_failed(self, step: ExecuteStep, error: str | None) -> list[RequestOutput]:
+        """Rolls back a step the executor did not complete: its requests give their blocks back and are
+        recomputed. error: what the executor raised (None when it did not answer, which is no request's
+        fault). A request that raised alone fails with it; of several, each becomes a suspect."""
+        executed = [self.requests[r.request_id] for r in step.requests if r.request_id in self.requests]
+        if error is not None and len(executed) == 1:
+            return [self._end(executed[0], "error", f"the executor failed on this request: {error}")]
+        for request in reversed(executed):  # back to the head of the queue in their order
+            self._preempt(request)
+            self.pending_frees.append(request.request_id)
+            if error is not None:
+                self.suspects.add(request.request_id)
+        return []
+
+    def executor_replaced(self, executor_epoch: str) -> None:
+        """A new executor instance holds none of the KV of the running requests: all are recomputed (the
+        block manager drops the old instance's blocks when it sees the new epoch)."""
+        self.executor_epoch = executor_epoch
+        for request in list(reversed(self.running)):
+            self._preempt(request)
+            self.pending_frees.append(request.request_id)
+
+    def _end(self, request: Request, finish_reason: str, error: str | None = None) -> RequestOutput:
+        """Ends an unfinished request (aborted, or failed with error)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.finish_reason = finish_reason
+        self._finish(request)
+        output = self._output(request, [])
+        output.error = error
+        return output
+
     # ------------------------------------------------------------------ messages
 
     @staticmethod
     def _grow_request(s: _Scheduled) -> BlockRequest:
         request = s.request
         known, sent = request.num_tokens, request.num_tokens_sent_to_kv
-        request.num_tokens_sent_to_kv = known
         return BlockRequest(
             request.request_id, request.num_computed_tokens + s.num_new_tokens,
             new_token_ids=request.token_ids(sent, known) if known > sent else None,
@@ -194,6 +272,7 @@ class Scheduler:
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         self.pending_frees.append(request.request_id)
+        self.suspects.discard(request.request_id)
         del self.requests[request.request_id]
 
     def _output(self, request: Request, new_token_ids: list[int], logprobs=None) -> RequestOutput:

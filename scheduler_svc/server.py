@@ -9,6 +9,8 @@ import logging
 import queue
 import threading
 
+import grpc
+
 from pagedserve.convert import (
     block_step_request_to_proto,
     block_step_result_from_proto,
@@ -18,18 +20,25 @@ from pagedserve.convert import (
     sampling_from_proto,
 )
 from pagedserve.step import BlockStepRequest, BlockStepResult, ExecuteResult, ExecuteStep, RequestOutput
-from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.v1 import executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.request import Request
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable, Scheduler, StepFailed
 
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 600.0  # a step on a CPU with a long prefill can take a while; a hung peer must not hang us forever
 
 
+# An executor that answers these did not run the step (or is gone): the step's outcome is unknown, and
+# nothing is wrong with its requests. Any other error is the executor raising on the step.
+_EXECUTOR_LOST = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                  grpc.StatusCode.FAILED_PRECONDITION}
+EPOCH_TIMEOUT_S = 2.0
+
+
 class RemoteBackends:
-    """The two per-step calls, counted."""
+    """The two per-step calls, counted, with their failures told apart for the engine loop."""
 
     def __init__(self, kvcache_stub, executor_stub) -> None:
         self.kvcache_stub = kvcache_stub
@@ -39,11 +48,27 @@ class RemoteBackends:
 
     def allocate_blocks(self, request: BlockStepRequest) -> BlockStepResult:
         self.kv_rpcs += 1
-        return block_step_result_from_proto(self.kvcache_stub.Step(block_step_request_to_proto(request), timeout=RPC_TIMEOUT_S))
+        try:
+            reply = self.kvcache_stub.Step(block_step_request_to_proto(request), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise BlockManagerUnavailable(f"{error.code().name}: {error.details()}") from None
+        return block_step_result_from_proto(reply)
 
     def execute(self, step: ExecuteStep) -> ExecuteResult:
         self.executor_rpcs += 1
-        return execute_result_from_proto(self.executor_stub.Execute(execute_step_to_proto(step), timeout=RPC_TIMEOUT_S))
+        try:
+            reply = self.executor_stub.Execute(execute_step_to_proto(step), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as error:
+            kind = ExecutorUnavailable if error.code() in _EXECUTOR_LOST else StepFailed
+            raise kind(f"{error.code().name}: {error.details()}") from None
+        return execute_result_from_proto(reply)
+
+    def executor_epoch(self) -> str:
+        """The executor instance now serving; raises ExecutorUnavailable while there is none."""
+        try:
+            return self.executor_stub.GetInfo(executor_pb2.ExecutorInfoRequest(), timeout=EPOCH_TIMEOUT_S).epoch
+        except grpc.RpcError as error:
+            raise ExecutorUnavailable(f"{error.code().name}: {error.details()}") from None
 
 
 class _Connection:
@@ -63,7 +88,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.info = info
         self.owners: dict[str, _Connection] = {}
         self.owners_lock = threading.Lock()
-        self.loop = EngineLoop(scheduler, backends.execute, self._publish)
+        self.loop = EngineLoop(scheduler, backends.execute, self._publish, backends.executor_epoch)
 
     def Connect(self, request_iterator, context):
         connection = _Connection()

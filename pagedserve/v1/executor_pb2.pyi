@@ -27,19 +27,23 @@ class ExecuteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class ExecuteStep(_message.Message):
-    __slots__ = ("requests", "finished_request_ids", "save_blocks", "save_blocks_after")
+    __slots__ = ("requests", "finished_request_ids", "save_blocks", "save_blocks_after", "executor_epoch", "scheduler_id")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SAVE_BLOCKS_AFTER_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[ExecuteRequest]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     save_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     save_blocks_after: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
-    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., save_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., save_blocks_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
+    executor_epoch: str
+    scheduler_id: str
+    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., save_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., save_blocks_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., executor_epoch: _Optional[str] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
-    __slots__ = ("sampled", "num_prefill_tokens", "num_decode_tokens", "num_loaded_blocks", "num_failed_loads")
+    __slots__ = ("sampled", "num_prefill_tokens", "num_decode_tokens", "num_loaded_blocks", "num_failed_loads", "rejected")
     class SampledEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,24 +51,33 @@ class ExecuteResult(_message.Message):
         key: str
         value: _common_pb2.TokenLogprob
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
     sampled: _containers.MessageMap[str, _common_pb2.TokenLogprob]
     num_prefill_tokens: int
     num_decode_tokens: int
     num_loaded_blocks: int
     num_failed_loads: int
-    def __init__(self, sampled: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_failed_loads: _Optional[int] = ...) -> None: ...
+    rejected: _containers.ScalarMap[str, str]
+    def __init__(self, sampled: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., rejected: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ExecutorInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id", "block_bytes")
+    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id", "block_bytes", "epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +100,7 @@ class ExecutorInfo(_message.Message):
     OFFLOAD_REDIS_URL_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_dir: str
     num_blocks: int
@@ -109,4 +123,5 @@ class ExecutorInfo(_message.Message):
     offload_redis_url: str
     model_id: str
     block_bytes: int
-    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    epoch: str
+    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...

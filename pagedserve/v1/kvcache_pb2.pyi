@@ -21,14 +21,24 @@ class BlockRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStepRequest(_message.Message):
-    __slots__ = ("free_request_ids", "running", "waiting")
+    __slots__ = ("scheduler_id", "executor_epoch", "step_id", "executed_step_id", "failed_request_ids", "free_request_ids", "running", "waiting")
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTED_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     FREE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    scheduler_id: str
+    executor_epoch: str
+    step_id: int
+    executed_step_id: int
+    failed_request_ids: _containers.RepeatedScalarFieldContainer[str]
     free_request_ids: _containers.RepeatedScalarFieldContainer[str]
     running: _containers.RepeatedCompositeFieldContainer[BlockRequest]
     waiting: _containers.RepeatedCompositeFieldContainer[BlockRequest]
-    def __init__(self, free_request_ids: _Optional[_Iterable[str]] = ..., running: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, scheduler_id: _Optional[str] = ..., executor_epoch: _Optional[str] = ..., step_id: _Optional[int] = ..., executed_step_id: _Optional[int] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., running: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
 
 class BlockDelta(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "tier_loads")

@@ -33,9 +33,14 @@ class ObservedBlockManager:
         self.num_preemptions = 0
 
     def step(self, request: BlockStepRequest) -> BlockStepResult:
+        # What the pool will have free once the step's frees are done: blocks no one else holds.
+        released: dict[int, int] = {}
         for request_id in request.free_request_ids:
-            self.manager.free(request_id)
-        bs, free = BLOCK_SIZE, self.manager.num_free_blocks
+            for block_id in self.manager.block_ids(request_id):
+                released[block_id] = released.get(block_id, 0) + 1
+        blocks = self.manager.block_pool.blocks
+        bs = BLOCK_SIZE
+        free = self.manager.num_free_blocks + sum(1 for b, n in released.items() if blocks[b].ref_cnt == n)
         needed = sum(max(0, -(-r.num_tokens // bs) - len(self.manager.block_ids(r.request_id))) for r in request.running)
         running_ids = [r.request_id for r in request.running]
         # The scheduler lists its running requests oldest admission first: its priority order.

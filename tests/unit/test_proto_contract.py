@@ -38,6 +38,7 @@ def test_generated_stubs_are_not_stale(tmp_path):
 
 def test_block_step_round_trip():
     request = BlockStepRequest(
+        scheduler_id="s", executor_epoch="e", step_id=8, executed_step_id=7, failed_request_ids=["f"],
         free_request_ids=["gone"],
         running=[BlockRequest("b", 5, new_token_ids=[9]), BlockRequest("c", 8)],
         waiting=[BlockRequest("a", 17, prompt_token_ids=[1, 2, 3], cache_salt="tenant")],
@@ -60,13 +61,19 @@ def test_execute_step_round_trip():
                            load_blocks=[BlockTransfer(7, b"\x04" * 32)]),
             ExecuteRequest("b", [9], 40, [], True),
         ],
-        finished_request_ids=["x"],
+        finished_request_ids=["x"], executor_epoch="e1", scheduler_id="s1",
         save_blocks=[BlockTransfer(1, b"\x05" * 32)], save_blocks_after=[BlockTransfer(2, b"\x06" * 32)],
     )
-    assert convert.execute_step_from_proto(convert.execute_step_to_proto(step)) == step
+    assert convert.execute_step_from_proto(convert.execute_step_to_proto(step)) == (step, {})
+    # A request whose sampling parameters do not validate is set aside alone, with the reason.
+    message = convert.execute_step_to_proto(step)
+    message.requests[0].sampling.temperature = -1.0
+    back, rejected = convert.execute_step_from_proto(message)
+    assert [r.request_id for r in back.requests] == ["b"] and "temperature" in rejected["a"]
     result = ExecuteResult(
         sampled={"a": SampledToken(5, -0.25, [5, 6], [-0.25, -2.0]), "b": SampledToken(8), "c": SampledToken(1, 0.0, [], [])},
         num_prefill_tokens=3, num_decode_tokens=1, num_loaded_blocks=2, num_failed_loads=1,
+        rejected={"d": "token id 10**9 out of range"},
     )
     back = convert.execute_result_from_proto(convert.execute_result_to_proto(result))
     assert back == result  # a logprob of exactly 0.0 is kept, not mistaken for "none asked"
