@@ -32,7 +32,7 @@ from pagedserve.step import BlockRequest, BlockStepRequest, BlockStepResult, Blo
 class RequestBlocks:
     """One request as the manager knows it: its block table and what prefix caching needs to name it."""
 
-    __slots__ = ("blocks", "num_tokens", "token_ids", "block_hashes", "cache_salt")
+    __slots__ = ("blocks", "num_tokens", "token_ids", "block_hashes", "cache_salt", "num_blocks_sent")
 
     def __init__(self, blocks: list[KVBlock], num_tokens: int, token_ids: list[int], cache_salt: str | None):
         self.blocks = blocks
@@ -40,6 +40,9 @@ class RequestBlocks:
         self.token_ids = token_ids  # every token known so far (prompt, then sampled ones)
         self.block_hashes: list[bytes] = []  # of the leading full blocks named so far
         self.cache_salt = cache_salt
+        # Leading blocks of the table the scheduler is known to have received; the rest travel (again) with
+        # the next answer, so that an answer lost on the way loses no block.
+        self.num_blocks_sent = 0
 
 
 class KVCacheManager:
@@ -58,7 +61,8 @@ class KVCacheManager:
         # Full blocks the last call's step fills, indexed once it is known to have run:
         # (request id, its state, block index in its table, hash).
         self._unconfirmed: list[tuple[str, RequestBlocks, int, bytes]] = []
-        self._unconfirmed_step_id: int | None = None
+        self._last_step_id: int | None = None
+        self._served_last: list[RequestBlocks] = []  # whose blocks the last answer carried
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash(f"{model_id}|block_size={block_size}")
         self.prefix_queries = 0  # prompt tokens of admitted requests
@@ -109,8 +113,9 @@ class KVCacheManager:
 
     def step(self, step_request: BlockStepRequest) -> BlockStepResult:
         self._follow_instances(step_request.scheduler_id, step_request.executor_epoch)
+        self._acknowledge(step_request.planned_step_id)
         self._confirm_previous_step(step_request.executed_step_id, set(step_request.failed_request_ids))
-        self._unconfirmed_step_id = step_request.step_id
+        self._last_step_id = step_request.step_id
         for request_id in step_request.free_request_ids:
             self.free(request_id)
         result = BlockStepResult()
@@ -153,9 +158,15 @@ class KVCacheManager:
                 self.free(request_id)
         self.scheduler_id, self.executor_epoch = scheduler_id, executor_epoch
 
+    def _acknowledge(self, planned_step_id: int) -> None:
+        served, self._served_last = self._served_last, []
+        if planned_step_id == self._last_step_id:
+            for state in served:
+                state.num_blocks_sent = len(state.blocks)
+
     def _confirm_previous_step(self, executed_step_id: int, failed: set[str]) -> None:
         unconfirmed, self._unconfirmed = self._unconfirmed, []
-        if executed_step_id != self._unconfirmed_step_id:
+        if executed_step_id != self._last_step_id:
             return  # the previous call's step never ran: its blocks hold nothing
         for request_id, state, index, block_hash_ in unconfirmed:
             if request_id in failed or self.requests.get(request_id) is not state or len(state.block_hashes) != index:
@@ -172,18 +183,19 @@ class KVCacheManager:
 
     def _grow(self, request: BlockRequest) -> list[int] | None:
         """Grows a running request's table to request.num_tokens slots, all-or-nothing; its new block
-        ids, or None (and nothing changed) when the pool is short."""
+        ids (with any the scheduler may not have received), or None (and nothing changed) when the pool is
+        short."""
         state = self.requests[request.request_id]
         num_needed = max(0, -(-request.num_tokens // self.block_size) - len(state.blocks))
         if num_needed > self.num_free_blocks:
             return None
-        new_blocks = self.block_pool.get_new_blocks(num_needed)
-        state.blocks.extend(new_blocks)
+        state.blocks.extend(self.block_pool.get_new_blocks(num_needed))
         state.num_tokens = max(state.num_tokens, request.num_tokens)
         if request.new_token_ids:
-            state.token_ids.extend(request.new_token_ids)
+            state.token_ids[request.new_tokens_start:] = request.new_token_ids
         self._note_full_blocks(request.request_id, state)
-        return [block.block_id for block in new_blocks]
+        self._served_last.append(state)
+        return [block.block_id for block in state.blocks[state.num_blocks_sent:]]
 
     def _admit(self, request: BlockRequest) -> tuple[list[int], int] | None:
         """Admits a waiting request from the longest cached prefix of its tokens: its whole block table and
@@ -213,6 +225,7 @@ class KVCacheManager:
             ]
             self.tier_hits += num_tier * bs
         self._note_full_blocks(request_id, state, num_from_tier=num_tier)
+        self._served_last.append(state)
         return [block.block_id for block in state.blocks], num_cached
 
     def _cached_prefix(self, tokens: list[int], salt: str | None) -> tuple[list[KVBlock], list[bytes], int]:

@@ -102,12 +102,14 @@ def _block_request_to_proto(r: BlockRequest, out: kvcache_pb2.BlockRequest) -> N
         out.cache_salt = r.cache_salt or ""
     if r.new_token_ids:
         out.new_token_ids[:] = r.new_token_ids
+        out.new_tokens_start = r.new_tokens_start
 
 
 def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockStepRequest:
     out = kvcache_pb2.BlockStepRequest(
         scheduler_id=request.scheduler_id, executor_epoch=request.executor_epoch, step_id=request.step_id,
         executed_step_id=request.executed_step_id, failed_request_ids=request.failed_request_ids,
+        planned_step_id=request.planned_step_id,
         free_request_ids=request.free_request_ids,
     )
     for r in request.running:
@@ -124,8 +126,10 @@ def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> Bloc
         step_id=message.step_id,
         executed_step_id=message.executed_step_id,
         failed_request_ids=list(message.failed_request_ids),
+        planned_step_id=message.planned_step_id,
         free_request_ids=list(message.free_request_ids),
-        running=[BlockRequest(r.request_id, r.num_tokens, new_token_ids=list(r.new_token_ids) or None)
+        running=[BlockRequest(r.request_id, r.num_tokens, new_token_ids=list(r.new_token_ids) or None,
+                              new_tokens_start=r.new_tokens_start)
                  for r in message.running],
         waiting=[BlockRequest(r.request_id, r.num_tokens, prompt_token_ids=list(r.prompt_token_ids),
                               cache_salt=r.cache_salt or None)

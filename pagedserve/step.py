@@ -30,9 +30,10 @@ class BlockRequest:
     # prefix cache hashes to find blocks that are already computed.
     prompt_token_ids: list[int] | None = None
     cache_salt: str | None = None
-    # Running only: tokens it gained since the last step (sampled ones), so that the block manager can
-    # name the blocks they fill.
+    # Running only: tokens it gained since the block manager last heard of it (sampled ones), so that it
+    # can name the blocks they fill, and the position of the first (sending them twice changes nothing).
     new_token_ids: list[int] | None = None
+    new_tokens_start: int = 0
 
 
 @dataclass(slots=True)
@@ -55,6 +56,8 @@ class BlockStepRequest:
     # failed_request_ids (requests whose part of it did not run); otherwise they are forgotten.
     step_id: int = 0
     executed_step_id: int = 0
+    # The last step whose answer the scheduler received: block ids handed out after it are sent again.
+    planned_step_id: int = 0
     failed_request_ids: list[str] = field(default_factory=list)
     # Requests that ended (finished, aborted, failed, or preempted by the scheduler) since the last step;
     # freed first.

@@ -132,6 +132,7 @@ class Scheduler:
         blocks = self.allocate_blocks(BlockStepRequest(
             scheduler_id=self.scheduler_id, executor_epoch=self.executor_epoch, step_id=step_id,
             executed_step_id=self.executed_step_id, failed_request_ids=self.failed_request_ids,
+            planned_step_id=self.planned_step_id,
             free_request_ids=self.pending_frees,
             running=[self._grow_request(s) for s in running],
             waiting=[self._admit_request(s) for s in waiting],
@@ -225,7 +226,7 @@ class Scheduler:
         known, sent = request.num_tokens, request.num_tokens_sent_to_kv
         return BlockRequest(
             request.request_id, request.num_computed_tokens + s.num_new_tokens,
-            new_token_ids=request.token_ids(sent, known) if known > sent else None,
+            new_token_ids=request.token_ids(sent, known) if known > sent else None, new_tokens_start=sent,
         )
 
     @staticmethod

@@ -39,8 +39,9 @@ def test_generated_stubs_are_not_stale(tmp_path):
 def test_block_step_round_trip():
     request = BlockStepRequest(
         scheduler_id="s", executor_epoch="e", step_id=8, executed_step_id=7, failed_request_ids=["f"],
+        planned_step_id=7,
         free_request_ids=["gone"],
-        running=[BlockRequest("b", 5, new_token_ids=[9]), BlockRequest("c", 8)],
+        running=[BlockRequest("b", 5, new_token_ids=[9], new_tokens_start=4), BlockRequest("c", 8)],
         waiting=[BlockRequest("a", 17, prompt_token_ids=[1, 2, 3], cache_salt="tenant")],
     )
     assert convert.block_step_request_from_proto(convert.block_step_request_to_proto(request)) == request
