@@ -7,16 +7,19 @@ from __future__ import annotations
 import logging
 
 from kvcache_svc.build import build_block_manager
+from kvcache_svc.durable_state import DurableState
 from kvcache_svc.server import KVCacheServicer
+from pagedserve.convert import block_step_request_from_proto
+from pagedserve.kv_keys import KEY_NAMESPACE
 from pagedserve.config import CacheConfig, ServingConfig, parse
 from pagedserve.service import Service, channel, configure_logging
-from pagedserve.v1 import executor_pb2, executor_pb2_grpc, kvcache_pb2_grpc
+from pagedserve.v1 import executor_pb2, executor_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 logger = logging.getLogger("kvcache_svc")
 
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "executor", "startup_timeout"),
-    CacheConfig: ("enable_prefix_caching", "offload_all"),
+    CacheConfig: ("enable_prefix_caching", "offload_all", "redis_url"),
 }
 
 
@@ -33,10 +36,26 @@ def main(argv: list[str] | None = None) -> None:
             executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout
         )
     manager = build_block_manager(configs[CacheConfig], info)
+    durable = durable_state(configs[CacheConfig], manager)
     service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"))
-    kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(manager), service.server)
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(manager, durable), service.server)
     logger.info("block pool: %d blocks of %d tokens", info.num_blocks, info.block_size)
     service.serve_until_signalled()
+
+
+def durable_state(cache: CacheConfig, manager) -> DurableState | None:
+    """With Redis, the pool's state is kept there and a restart resumes from it."""
+    if not cache.redis_url:
+        return None
+    import redis
+
+    durable = DurableState(redis.Redis.from_url(cache.redis_url, socket_timeout=2.0), KEY_NAMESPACE)
+    replayed = durable.restore(manager, lambda data: block_step_request_from_proto(
+        kvcache_pb2.BlockStepRequest.FromString(data)))
+    if replayed >= 0:
+        logger.warning("restored the block manager's state from Redis (%d requests, %d journaled steps replayed)",
+                       manager.num_requests, replayed)
+    return durable
 
 
 if __name__ == "__main__":

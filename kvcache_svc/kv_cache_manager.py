@@ -24,7 +24,7 @@ manager decides what moves; the executor moves the bytes.
 from __future__ import annotations
 
 from kvcache_svc.block_hash import block_hash, root_hash
-from kvcache_svc.block_pool import BlockPool, KVBlock
+from kvcache_svc.block_pool import BlockPool, FreeBlockQueue, KVBlock
 from kvcache_svc.offload_index import LocalTierIndex
 from pagedserve.step import BlockRequest, BlockStepRequest, BlockStepResult, BlockTransfer
 
@@ -62,6 +62,7 @@ class KVCacheManager:
         # (request id, its state, block index in its table, hash).
         self._unconfirmed: list[tuple[str, RequestBlocks, int, bytes]] = []
         self._last_step_id: int | None = None
+        self._previous_step_id: int | None = None
         self._served_last: list[RequestBlocks] = []  # whose blocks the last answer carried
         self.enable_prefix_caching = enable_prefix_caching
         self.root_hash = root_hash(f"{model_id}|block_size={block_size}")
@@ -76,6 +77,13 @@ class KVCacheManager:
         # Filled while serving one step, handed out with its result.
         self._tier_loads: dict[str, list[BlockTransfer]] = {}
         self._filled: list[BlockTransfer] = []
+        # The offload tier's answers during the last step (replaying a journal gives them back instead of
+        # asking again, so that the replay is exact).
+        self.tier_answers: list[int] = []
+        self._replayed_answers: list[int] | None = None
+        # After a restore: the last two step ids the state saw. The scheduler's next call must have
+        # received one of their answers, or the state missed steps and cannot be trusted.
+        self._restored_step_ids: tuple[int | None, int | None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -111,11 +119,15 @@ class KVCacheManager:
             # Reversed, so that the pool evicts the request's tail before its (more shareable) prefix.
             self.block_pool.free_blocks(reversed(state.blocks))
 
-    def step(self, step_request: BlockStepRequest) -> BlockStepResult:
+    def step(self, step_request: BlockStepRequest, tier_answers: list[int] | None = None) -> BlockStepResult:
+        """Serves one step. tier_answers: the offload tier's answers this step got when it first ran (a
+        replay); None asks the tier."""
+        self.tier_answers, self._replayed_answers = [], list(tier_answers) if tier_answers is not None else None
+        self._check_restored(step_request.planned_step_id)
         self._follow_instances(step_request.scheduler_id, step_request.executor_epoch)
         self._acknowledge(step_request.planned_step_id)
         self._confirm_previous_step(step_request.executed_step_id, set(step_request.failed_request_ids))
-        self._last_step_id = step_request.step_id
+        self._previous_step_id, self._last_step_id = self._last_step_id, step_request.step_id
         for request_id in step_request.free_request_ids:
             self.free(request_id)
         result = BlockStepResult()
@@ -142,20 +154,28 @@ class KVCacheManager:
         self._collect_transfers(result)
         return result
 
+    def _check_restored(self, planned_step_id: int) -> None:
+        if self._restored_step_ids is None:
+            return
+        if planned_step_id not in self._restored_step_ids:
+            self._drop_requests()  # the restored state missed steps: recompute rather than trust it
+        self._restored_step_ids = None
+
+    def _drop_requests(self) -> None:
+        self._unconfirmed, self._served_last = [], []
+        for request_id in list(self.requests):
+            self.free(request_id)
+
     def _follow_instances(self, scheduler_id: str, executor_epoch: str) -> None:
         if self.executor_epoch is not None and executor_epoch != self.executor_epoch:
             # The KV behind every block died with the old executor: nothing in the pool may be served again.
-            self._unconfirmed = []
-            for request_id in list(self.requests):
-                self.free(request_id)
+            self._drop_requests()
             self.block_pool.forget_cached_blocks()
             if self.tier is not None:
                 self.tier.executor_replaced()
         elif self.scheduler_id is not None and scheduler_id != self.scheduler_id:
             # A new scheduler re-submits what it serves; the old one's tables would only leak.
-            self._unconfirmed = []
-            for request_id in list(self.requests):
-                self.free(request_id)
+            self._drop_requests()
         self.scheduler_id, self.executor_epoch = scheduler_id, executor_epoch
 
     def _acknowledge(self, planned_step_id: int) -> None:
@@ -247,7 +267,11 @@ class KVCacheManager:
         for i in range(len(hashes), num_full):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], None)
             hashes.append(parent)
-        num_tier = self.tier.leading_count(hashes[len(hits) :])
+        if self._replayed_answers is not None:
+            num_tier = self._replayed_answers.pop(0)
+        else:
+            num_tier = self.tier.leading_count(hashes[len(hits) :])
+        self.tier_answers.append(num_tier)
         return hits, hashes[: len(hits) + num_tier], num_tier
 
     def _note_full_blocks(self, request_id: str, state: RequestBlocks, num_from_tier: int = 0) -> None:
@@ -276,6 +300,58 @@ class KVCacheManager:
         saved = result.saves_before + result.saves_after
         self.tier.record([t.block_hash for t in saved])
         self.blocks_saved += len(saved)
+
+    # ------------------------------------------------------------------ durable state
+
+    def export_state(self) -> dict:
+        """Everything a restarted manager needs to go on where this one is (between two steps), as JSON."""
+        pool = self.block_pool
+        return {
+            "pool": [self.num_blocks, self.block_size, self.root_hash.hex()],
+            "instances": [self.scheduler_id, self.executor_epoch, self._previous_step_id, self._last_step_id],
+            "free_queue": [block.block_id for block in pool.free_block_queue],
+            "cached": {str(block.block_id): block_hash_.hex() for block_hash_, block in pool.cached_blocks.items()},
+            "requests": {
+                request_id: [[b.block_id for b in s.blocks], s.num_tokens, s.token_ids,
+                             [h.hex() for h in s.block_hashes], s.cache_salt, s.num_blocks_sent]
+                for request_id, s in self.requests.items()
+            },
+            "unconfirmed": [[request_id, index, h.hex()] for request_id, _, index, h in self._unconfirmed],
+            "served_last": [request_id for request_id, s in self.requests.items() if s in self._served_last],
+            "counters": [self.prefix_queries, self.prefix_hits, self.num_preemptions, self.tier_hits,
+                         self.blocks_saved, pool.num_evictions],
+        }
+
+    def import_state(self, state: dict) -> None:
+        """Takes over an exported state; ValueError (and nothing changed) if it is another pool's."""
+        if state["pool"] != [self.num_blocks, self.block_size, self.root_hash.hex()]:
+            raise ValueError("the saved state belongs to another pool (size, block size or model)")
+        pool = BlockPool(self.num_blocks)
+        requests: dict[str, RequestBlocks] = {}
+        for request_id, (block_ids, num_tokens, token_ids, hashes, salt, num_sent) in state["requests"].items():
+            blocks = [pool.blocks[i] for i in block_ids]
+            for block in blocks:
+                block.ref_cnt += 1
+            requests[request_id] = RequestBlocks(blocks, num_tokens, token_ids, salt)
+            requests[request_id].block_hashes = [bytes.fromhex(h) for h in hashes]
+            requests[request_id].num_blocks_sent = num_sent
+        for block_id, block_hash_ in state["cached"].items():
+            block = pool.blocks[int(block_id)]
+            block.block_hash = bytes.fromhex(block_hash_)
+            pool.cached_blocks[block.block_hash] = block
+        pool.free_block_queue = FreeBlockQueue(pool.blocks[i] for i in state["free_queue"])
+        pool._num_cached_evictable = sum(1 for b in pool.free_block_queue if b.block_hash is not None)
+        (self.prefix_queries, self.prefix_hits, self.num_preemptions, self.tier_hits, self.blocks_saved,
+         pool.num_evictions) = state["counters"]
+        self.block_pool, self.requests = pool, requests
+        self.scheduler_id, self.executor_epoch, self._previous_step_id, self._last_step_id = state["instances"]
+        self._unconfirmed = [(r, requests[r], i, bytes.fromhex(h)) for r, i, h in state["unconfirmed"]]
+        self._served_last = [requests[r] for r in state["served_last"]]
+
+    def restored(self) -> None:
+        """Marks the state as restored: the next call must come from a scheduler that received the answer
+        to one of the last two steps it saw."""
+        self._restored_step_ids = (self._previous_step_id, self._last_step_id)
 
     def stats(self) -> dict[str, int | float]:
         return {

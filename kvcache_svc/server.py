@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import threading
 
+from kvcache_svc.durable_state import DurableState
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.convert import block_step_request_from_proto, block_step_result_to_proto
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 
 
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, durable: DurableState | None = None) -> None:
         self.manager = manager
+        self.durable = durable
         self.lock = threading.Lock()  # one scheduler drives the pool; stats may be read meanwhile
         self.num_step_calls = 0
 
@@ -19,6 +21,8 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         with self.lock:
             self.num_step_calls += 1
             result = self.manager.step(step)
+            if self.durable is not None:  # journaled before the answer leaves
+                self.durable.record(self.manager, request.SerializeToString())
         return block_step_result_to_proto(result)
 
     def GetStats(self, request, context):

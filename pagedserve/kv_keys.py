@@ -1,8 +1,9 @@
-"""Names of offloaded KV blocks in Redis, shared by the block manager (which looks them up) and the
-executor (which reads and writes them)."""
+"""Names of what pagedserve keeps in Redis: offloaded KV blocks, shared by the block manager (which looks
+them up) and the executor (which reads and writes them), and the block manager's own state."""
 from __future__ import annotations
 
-REDIS_KEY_PREFIX = "pagedserve:kv:v1:"
+KEY_NAMESPACE = "pagedserve"
+REDIS_KEY_PREFIX = f"{KEY_NAMESPACE}:kv:v1:"
 
 
 def redis_key(block_hash: bytes) -> str:
