@@ -19,10 +19,20 @@ the bytes a step must read (every weight once, the LM head included, and every s
 layer) over the copy bandwidth of the same run; decode_e2e_vs_floor_{graphs,eager} = floor time / step
 time (1.0 would be a step at the copy bandwidth).
 
-Everything runs within TIME_BUDGET_S: the headline decode point and part 2 first, then the rest of the
-sweep while time remains (points left out are listed under "skipped").
+Shapes: Qwen2.5-0.5B-like (14 / 2 heads x 64), Llama-3.2-1B-like (32 / 8 x 64), Llama-3.1-8B-like
+(32 / 8 x 128); decode at batch 1, 8, 64, 256 and contexts 512, 2048, 8192; three prefill cases each.
+
+Nothing measured is lost: kernel.json is rewritten after every point (metrics.status says "running" until
+the end), a point that raises is recorded under metrics.errors and the next one still runs, and the time
+budget (TIME_BUDGET_S) counts from process start: the headline decode point and part 2 run first whatever
+the budget, then batch 64 x 2048 of the other shapes, then the rest while time remains (points left out
+are listed under "skipped"). --dry-run measures nothing and writes the plan (no CUDA needed).
 """
 from __future__ import annotations
+
+import time
+
+PROCESS_START = time.monotonic()  # the time budget counts from here, before the imports (torch takes seconds)
 
 import argparse
 import math
@@ -30,7 +40,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,11 +49,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from executor_svc.attention.cupy_backend import CupyPagedAttention, load_kernels  # noqa: E402
+from executor_svc.attention.cupy_backend import CupyPagedAttention, decode_slots, load_kernels  # noqa: E402
 from executor_svc.attention.layout import BatchLayout  # noqa: E402
 
-SHAPES = {"qwen2.5-0.5b-like": (14, 2, 64), "llama-3.2-1b-like": (32, 8, 64)}  # (heads, KV heads, head_dim)
-BATCHES = (1, 16, 64, 256)
+SHAPES = {  # (heads, KV heads, head_dim)
+    "qwen2.5-0.5b-like": (14, 2, 64), "llama-3.2-1b-like": (32, 8, 64), "llama-3.1-8b-like": (32, 8, 128),
+}
+BATCHES = (1, 8, 64, 256)
 CONTEXTS = (512, 2048, 8192)
 HEADLINE = ("qwen2.5-0.5b-like", 64, 2048)
 PREFILL_CASES = {  # name: (query lengths, cached lengths)
@@ -54,7 +65,7 @@ PREFILL_CASES = {  # name: (query lengths, cached lengths)
 }
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
-TIME_BUDGET_S = 100  # tools/gpu_check.sh kills the benchmark at 120 s
+TIME_BUDGET_S = 80  # from process start; tools/gpu_check.sh kills the benchmark at 100 s
 # Part 2: Qwen2.5-0.5B's shape (494M parameters, 136M of them the tied embedding / LM head).
 E2E_CONFIG = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -337,113 +348,175 @@ def bench_e2e(model_dir, copy_bps: float, enforce_eager: bool, *, batch=E2E_BATC
     return row
 
 
-def run_e2e(copy_bps: float) -> list[dict]:
+def run_e2e(results: "Results") -> list[dict]:
+    """Part 2, each mode a point of its own (a failure in one is recorded and the other still runs)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="qwen-like-") as model_dir:
         written = time.time()
-        params = write_random_qwen2(model_dir, E2E_CONFIG)
+        params = results.attempt("e2e", ["write checkpoint"], lambda: write_random_qwen2(model_dir, E2E_CONFIG))
+        if params is None:
+            return rows
         print(f"\nexecutor decode, Qwen2.5-0.5B-like random weights ({params / 1e6:.0f}M parameters, written in "
               f"{time.time() - written:.1f} s), bf16, batch {E2E_BATCH}, contexts from {E2E_CONTEXT + 1}", flush=True)
         print(f"{'mode':12} {'replays':>7} {'step ms':>8} {'tokens/s':>9} {'floor ms':>8} {'of floor':>8}")
         for enforce_eager in (False, True):
-            row = bench_e2e(model_dir, copy_bps, enforce_eager)
+            row = results.attempt("e2e", ["eager" if enforce_eager else "cuda-graphs"],
+                                  lambda: bench_e2e(model_dir, results.copy_bps, enforce_eager))
+            if row is None:
+                continue
             rows.append(row)
             print(f"{row['mode']:12} {row['graph_replays']:>7} {row['step_ms']:>8.2f} {row['tokens_per_s']:>9.0f} "
                   f"{row['floor_ms']:>8.2f} {row['vs_floor']:>8.3f}", flush=True)
-    if rows[0]["graph_replays"] != E2E_WARMUP + E2E_STEPS:
+    if rows and rows[0]["mode"] == "cuda-graphs" and rows[0]["graph_replays"] != E2E_WARMUP + E2E_STEPS:
         print(f"  warning: {rows[0]['graph_replays']} graph replays in {E2E_WARMUP + E2E_STEPS} steps: the "
               "graph figures are (partly) eager", flush=True)
     return rows
+
+
+class Results:
+    """kernel.json, rewritten after every measured point so that a killed run keeps what it measured."""
+
+    def __init__(self, copy_bps: float | None = None) -> None:
+        self.copy_bps = copy_bps
+        self.decode: list[dict] = []
+        self.prefill: list[dict] = []
+        self.e2e: list[dict] = []
+        self.errors: list[dict] = []
+        self.skipped: list[dict] = []
+        self.metrics: dict = {}
+
+    def ratios(self) -> dict:
+        ratios = {}
+        headline = next((r for r in self.decode if (r["shape"], r["batch"], r["context"]) == HEADLINE), None)
+        if headline is not None:
+            ratios["decode_vs_copy_bw"] = round(headline["fraction_of_copy"], 4)
+            ratios["decode_vs_sdpa_time"] = round(headline["sdpa_time_us"] / headline["time_us"], 4)
+        modes = {row["mode"]: row for row in self.e2e}
+        if "cuda-graphs" in modes:
+            ratios["decode_e2e_vs_floor_graphs"] = round(modes["cuda-graphs"]["vs_floor"], 4)
+        if "eager" in modes:
+            ratios["decode_e2e_vs_floor_eager"] = round(modes["eager"]["vs_floor"], 4)
+        if len(modes) == 2:
+            ratios["decode_e2e_graphs_speedup"] = round(modes["eager"]["step_ms"] / modes["cuda-graphs"]["step_ms"], 4)
+        return ratios
+
+    def write(self, status: str) -> Path:
+        metrics = {"status": status, **self.metrics, "decode": self.decode, "prefill": self.prefill,
+                   "decode_e2e": self.e2e, "errors": self.errors, "skipped": self.skipped,
+                   "elapsed_s": round(elapsed(), 1)}
+        if self.copy_bps is not None:
+            metrics["copy_GBps"] = self.copy_bps / 1e9
+        return write_result("kernel", self.ratios(), metrics)
+
+    def attempt(self, kind: str, point, measure) -> dict | None:
+        """Runs one point; a failure is recorded with the point (and printed), never raised."""
+        try:
+            return measure()
+        except Exception as exc:  # a kernel fault or an out-of-memory error: the next point may still run
+            message = f"{type(exc).__name__}: {exc}"
+            self.errors.append({kind: list(point), "error": message})
+            print(f"  {kind} {point}: FAILED, {message}", flush=True)
+            torch.cuda.empty_cache()
+            return None
+
+
+def elapsed() -> float:
+    return time.monotonic() - PROCESS_START
+
+
+def planned_points(quick: bool) -> tuple[list[tuple], list[tuple]]:
+    """(decode points, prefill points), the headline first, then batch 64 x 2048 of every shape, then the rest."""
+    if quick:
+        return [HEADLINE], [("qwen2.5-0.5b-like", "prompt 4096")]
+    first = [HEADLINE] + [(s, 64, 2048) for s in SHAPES if (s, 64, 2048) != HEADLINE]
+    decode = first + [(s, b, c) for s in SHAPES for b in BATCHES for c in CONTEXTS if (s, b, c) not in first]
+    return decode, [(s, c) for s in SHAPES for c in PREFILL_CASES]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="headline decode point and one prefill case only")
     parser.add_argument("--budget", type=float, default=TIME_BUDGET_S,
-                        help="seconds after which the rest of the sweep is skipped")
+                        help="seconds from process start after which the remaining points are skipped")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="measure nothing: write kernel.json with the planned points (no CUDA needed)")
     args = parser.parse_args(argv)
+    decode_points, prefill_points = planned_points(args.quick)
+    results = Results()
+    if args.dry_run:
+        results.skipped = [{"decode": list(p)} for p in decode_points] + [{"prefill": list(p)} for p in prefill_points]
+        path = results.write("dry-run")
+        print(f"bench/kernel.py dry run: {len(decode_points)} decode and {len(prefill_points)} prefill points "
+              f"planned, budget {args.budget:.0f} s; wrote {path}")
+        return 0
     if not torch.cuda.is_available():
-        print("bench/kernel.py: no CUDA device; nothing measured")
+        path = results.write("no CUDA device")
+        print(f"bench/kernel.py: no CUDA device; nothing measured; wrote {path}")
         return 1
     torch.manual_seed(0)
-    started = time.time()
-    compile_s = time.time()
+    load_started = time.monotonic()
     registers = load_kernels(DEVICE)
-    compile_s = time.time() - compile_s
-    print(f"{torch.cuda.get_device_name()}: kernels loaded in {compile_s:.1f} s", flush=True)
-
-    copy_bps = copy_bandwidth()
-    print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (read + write)", flush=True)
-
-    decode_points = [HEADLINE] if args.quick else [HEADLINE] + [
-        (s, b, c) for s in SHAPES for b in BATCHES for c in CONTEXTS if (s, b, c) != HEADLINE]
-    prefill_points = [("qwen2.5-0.5b-like", "prompt 4096")] if args.quick else [
-        (s, c) for s in SHAPES for c in PREFILL_CASES]
-    decode, prefill, skipped = [], [], []
-
-    def decode_row(point):
-        shape_name, batch, context = point
-        row = bench_decode(shape_name, batch, context)
-        row["fraction_of_copy"] = row["GBps"] * 1e9 / copy_bps
-        row["sdpa_fraction_of_copy"] = row["sdpa_GBps"] * 1e9 / copy_bps
-        decode.append(row)
-        print(f"{shape_name:20} {batch:>5} {context:>5} {row['partitions']:>5} {row['time_us']:>9.1f} "
-              f"{row['GBps']:>7.0f} {row['fraction_of_copy']:>7.2f} {row['sdpa_time_us']:>9.1f} "
-              f"{row['sdpa_fraction_of_copy']:>12.2f}", flush=True)
+    results.metrics = {
+        "device": torch.cuda.get_device_name(), "dtype": "bfloat16", "block_size": BLOCK_SIZE,
+        "kernel_load_s": time.monotonic() - load_started, "registers": registers,
+        "decode_slots": {d: decode_slots(DEVICE, d) for d in (64, 128)},
+        "timing": "CUDA graph of 10 calls (5 for prefill), median of 7 replays after 3 warm-up calls",
+        "e2e_timing": f"ModelRunner.execute, {E2E_WARMUP} warm-up steps then {E2E_STEPS} timed, wall clock",
+        "e2e_config": E2E_CONFIG, "budget_s": args.budget,
+    }
+    print(f"{torch.cuda.get_device_name()}: kernels loaded in {results.metrics['kernel_load_s']:.1f} s", flush=True)
+    results.copy_bps = copy_bandwidth()
+    print(f"device-to-device copy: {results.copy_bps / 1e9:.0f} GB/s (read + write)", flush=True)
+    results.write("running")
 
     decode_header = (f"\n{'decode shape':20} {'batch':>5} {'ctx':>5} {'parts':>5} {'us':>9} {'GB/s':>7} "
                      f"{'of copy':>7} {'sdpa us':>9} {'sdpa of copy':>12}")
+
+    def decode_row(point):
+        row = bench_decode(*point)
+        row["fraction_of_copy"] = row["GBps"] * 1e9 / results.copy_bps
+        row["sdpa_fraction_of_copy"] = row["sdpa_GBps"] * 1e9 / results.copy_bps
+        results.decode.append(row)
+        print(f"{point[0]:20} {point[1]:>5} {point[2]:>5} {row['partitions']:>5} {row['time_us']:>9.1f} "
+              f"{row['GBps']:>7.0f} {row['fraction_of_copy']:>7.2f} {row['sdpa_time_us']:>9.1f} "
+              f"{row['sdpa_fraction_of_copy']:>12.2f}", flush=True)
+        return row
+
     print(decode_header)
-    decode_row(decode_points[0])  # the headline first, then part 2: both fit the budget whatever follows
-    e2e = run_e2e(copy_bps)
+    # The headline first, then part 2: both run whatever the budget says, the sweep fills what is left.
+    results.attempt("decode", decode_points[0], lambda: decode_row(decode_points[0]))
+    results.write("running")
+    results.e2e = run_e2e(results)
+    results.write("running")
 
     print(decode_header)
     for point in decode_points[1:]:
-        if time.time() - started > args.budget:
-            skipped.append({"decode": list(point)})
+        if elapsed() > args.budget:
+            results.skipped.append({"decode": list(point)})
             continue
-        decode_row(point)
+        results.attempt("decode", point, lambda: decode_row(point))
+        results.write("running")
 
     print(f"\n{'prefill shape':20} {'case':28} {'us':>9} {'TFLOP/s':>8} {'sdpa TFLOP/s':>12}")
-    for shape_name, case in prefill_points:
-        if prefill and time.time() - started > args.budget:
-            skipped.append({"prefill": [shape_name, case]})
+    for point in prefill_points:
+        if elapsed() > args.budget:
+            results.skipped.append({"prefill": list(point)})
             continue
-        row = bench_prefill(shape_name, case)
-        prefill.append(row)
-        sdpa = f"{row['sdpa_TFLOPs']:>12.1f}" if "sdpa_TFLOPs" in row else f"{'-':>12}"
-        print(f"{shape_name:20} {case:28} {row['time_us']:>9.1f} {row['TFLOPs']:>8.1f} {sdpa}", flush=True)
-    if skipped:
-        print(f"\nskipped for time (budget {args.budget:.0f} s): {len(skipped)} points", flush=True)
+        row = results.attempt("prefill", point, lambda: bench_prefill(*point))
+        if row is not None:
+            results.prefill.append(row)
+            sdpa = f"{row['sdpa_TFLOPs']:>12.1f}" if "sdpa_TFLOPs" in row else f"{'-':>12}"
+            print(f"{point[0]:20} {point[1]:28} {row['time_us']:>9.1f} {row['TFLOPs']:>8.1f} {sdpa}", flush=True)
+        results.write("running")
+    if results.skipped:
+        print(f"\nskipped for time (budget {args.budget:.0f} s from process start): {len(results.skipped)} points",
+              flush=True)
 
-    headline = decode[0]
-    graphs, eager = e2e
-    ratios = {"decode_vs_copy_bw": round(headline["fraction_of_copy"], 4),
-              "decode_vs_sdpa_time": round(headline["sdpa_time_us"] / headline["time_us"], 4),
-              "decode_e2e_vs_floor_graphs": round(graphs["vs_floor"], 4),
-              "decode_e2e_vs_floor_eager": round(eager["vs_floor"], 4),
-              "decode_e2e_graphs_speedup": round(eager["step_ms"] / graphs["step_ms"], 4)}
-    metrics = {
-        "device": torch.cuda.get_device_name(),
-        "dtype": "bfloat16",
-        "block_size": BLOCK_SIZE,
-        "copy_GBps": copy_bps / 1e9,
-        "kernel_load_s": compile_s,
-        "registers": registers,
-        "timing": "CUDA graph of 10 calls (5 for prefill), median of 7 replays after 3 warm-up calls",
-        "decode": decode,
-        "prefill": prefill,
-        "e2e_timing": f"ModelRunner.execute, {E2E_WARMUP} warm-up steps then {E2E_STEPS} timed, wall clock",
-        "e2e_config": E2E_CONFIG,
-        "decode_e2e": e2e,
-        "skipped": skipped,
-        "elapsed_s": time.time() - started,
-    }
-    path = write_result("kernel", ratios, metrics)
-    print(f"\ndecode_vs_copy_bw at batch 64, context 2048, qwen-like: {ratios['decode_vs_copy_bw']:.3f}; "
-          f"executor decode vs floor: {ratios['decode_e2e_vs_floor_graphs']:.3f} with CUDA graphs, "
-          f"{ratios['decode_e2e_vs_floor_eager']:.3f} eager; wrote {path} in {metrics['elapsed_s']:.0f} s")
-    return 0
+    status = "complete" if not results.errors else f"complete, {len(results.errors)} points failed"
+    path = results.write(status)
+    ratios = results.ratios()
+    print(f"\n{status}; ratios {ratios}; wrote {path} at {elapsed():.0f} s from process start")
+    return 0 if "decode_vs_copy_bw" in ratios and not results.errors else 1
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ Same interface as TorchPagedAttention: ``build_metadata(layout, device)`` once p
 
 1. ``cache_write``: the step's K/V rows into their slots of the HND cache;
 2. for bfloat16 / float16: ``paged_prefill`` over the prefill chunks (tensor cores, causal, GQA-packed) and
-   ``paged_decode`` over the single-token rows (GQA-aware, split-K over the context when the batch is too
-   small to fill the GPU, then ``paged_decode_reduce``);
+   ``paged_decode`` over the single-token rows (GQA-aware; split-K over the context when that fills the
+   GPU's resident CTA slots better, the last partition of each row merging them in the same launch);
 3. for float32 (tests, reference runs): ``paged_attention_rows`` over every row, on CUDA cores.
 
 The work is split in two so that most of it runs without a GPU: ``plan_batch`` (numpy) turns a layout into
@@ -47,11 +47,30 @@ PREFILL_THREADS, PREFILL_TILE, PREFILL_ROWS = 128, 64, 64
 ROWS_THREADS = 32
 STATIC_SMEM_LIMIT = 48 * 1024  # more dynamic shared memory than this needs the kernel attribute raised
 
-# Split-K for decode: aim for this many CTAs per multiprocessor, never cutting a context into slices
-# shorter than MIN_PARTITION keys (below that the extra partial results cost more than they hide).
-CTAS_PER_SM_TARGET = 4
+# Split-K for decode: contexts are never cut into slices shorter than MIN_PARTITION keys (below that the
+# partial results cost more than the parallelism gains). A partition's fixed cost (query load, pipeline
+# fill, epilogue) is about PARTITION_OVERHEAD_TILES tiles of streaming.
 MIN_PARTITION = 256
-DEFAULT_NUM_SMS = 132  # an H100 / H200; used when the metadata is built for a non-CUDA device
+PARTITION_OVERHEAD_TILES = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SmLimits:
+    """What bounds the CTAs resident on one multiprocessor; the defaults are an H100 / H200 (sm_90), used
+    when metadata is built for a non-CUDA device."""
+
+    num_sms: int = 132
+    registers: int = 65536
+    shared_memory: int = 228 * 1024
+    threads: int = 2048
+    ctas: int = 32
+
+
+SM90 = SmLimits()
+SMEM_RESERVED_PER_CTA = 1024  # the driver's own shared memory per resident CTA (sm_80 and later)
+# paged_decode registers per thread at sm_90 (kernels-check prints them); on a GPU the loaded kernel's own
+# count is used instead.
+SM90_DECODE_REGISTERS = {64: 94, 128: 164}
 
 LOG2_E = 1.4426950408889634
 
@@ -128,6 +147,7 @@ class CupyAttentionMetadata:
     decode_partition_size: int
     decode_part_out: torch.Tensor | None  # [num_decodes, num_heads, partitions, head_dim] float32 (split-K)
     decode_part_ml: torch.Tensor | None  # [num_decodes, num_heads, partitions, 2] float32: (max, denominator)
+    decode_counters: torch.Tensor | None  # [num_decodes, decode CTAs per row] int32, zero between launches
 
     @property
     def table_stride(self) -> int:
@@ -142,29 +162,46 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def plan_decode_partitions(num_decodes: int, ctas_per_row: int, max_context_len: int, num_sms: int) -> tuple[int, int]:
-    """(partitions, partition size in keys) for the decode rows.
+def resident_ctas(threads: int, registers_per_thread: int, smem: int, limits: SmLimits) -> int:
+    """CTAs of a kernel that fit on one multiprocessor at once (the CUDA occupancy calculation: registers
+    are allocated per warp in units of 256, shared memory per CTA plus the driver's reserve)."""
+    warps = -(-threads // 32)
+    by_registers = limits.registers // (warps * _round_up(registers_per_thread * 32, 256))
+    by_smem = limits.shared_memory // (smem + SMEM_RESERVED_PER_CTA)
+    return max(1, min(by_registers, by_smem, limits.threads // threads, limits.ctas))
 
-    One CTA per (row, KV head group) already fills the GPU when there are enough of them; otherwise each
-    context is cut into partitions of a multiple of the 64-key tile, no shorter than MIN_PARTITION, so
-    that there are about CTAS_PER_SM_TARGET CTAs per multiprocessor.
+
+def plan_decode_partitions(num_decodes: int, ctas_per_row: int, max_context_len: int, slots: int) -> tuple[int, int]:
+    """(partitions, partition size in keys) for the decode rows, given `slots` CTAs resident on the GPU.
+
+    Memory-bound CTAs that start together finish together, so a launch takes about (waves of `slots`
+    CTAs) x (tiles per partition + a partition's fixed cost), plus the merge, which reads each partition's
+    partial result (a quarter of a tile's bytes per partition). The plan minimises that over partition
+    sizes (multiples of the 64-key tile, at least MIN_PARTITION keys), fewer partitions on ties: one
+    partition when the rows alone fill the slots in whole waves, more when the rows leave slots idle.
     """
-    whole = max(DECODE_TILE, _round_up(max_context_len, DECODE_TILE))
-    ctas = num_decodes * ctas_per_row
-    target = CTAS_PER_SM_TARGET * num_sms
-    if num_decodes == 0 or ctas >= target or max_context_len <= MIN_PARTITION:
-        return 1, whole
-    wanted = -(-target // ctas)
-    size = max(MIN_PARTITION, _round_up(-(-max_context_len // wanted), DECODE_TILE))
-    partitions = -(-max_context_len // size)
-    return (1, whole) if partitions == 1 else (partitions, size)
+    tiles = max(1, -(-max_context_len // DECODE_TILE))
+    if num_decodes == 0:
+        return 1, tiles * DECODE_TILE
+    ctas_per_partition = num_decodes * ctas_per_row
+    best = None
+    for size in range(tiles, min(tiles, MIN_PARTITION // DECODE_TILE) - 1, -1):
+        partitions = -(-tiles // size)
+        waves = -(-ctas_per_partition * partitions // slots)
+        cost = waves * (size + PARTITION_OVERHEAD_TILES) + (partitions / 4 if partitions > 1 else 0)
+        if best is None or cost < best[0] or (cost == best[0] and partitions < best[1]):
+            best = (cost, partitions, size)
+    _, partitions, size = best
+    return partitions, (size if partitions > 1 else tiles) * DECODE_TILE
 
 
 def plan_batch(
-    layout: BatchLayout, num_heads: int, num_kv_heads: int, num_sms: int = DEFAULT_NUM_SMS, *,
+    layout: BatchLayout, num_heads: int, num_kv_heads: int, resident_decode_ctas: int | None = None, *,
     context_capacity: int = 0,
 ) -> HostPlan:
     """Validates a layout and builds the kernels' index arrays (numpy, no device needed).
+
+    resident_decode_ctas: decode CTAs resident on the whole GPU at once (default: an H100 / H200, head_dim 64).
 
     context_capacity: the longest context the arrays must be able to serve later (CUDA-graph replay with
     refilled metadata): the table width and the decode partition plan cover at least that many keys.
@@ -226,8 +263,10 @@ def plan_batch(
     max_decode_context = int(decode_context_lens.max()) if decode_context_lens.size else 0
     if decode_context_lens.size:
         max_decode_context = max(max_decode_context, context_capacity)
+    if resident_decode_ctas is None:
+        resident_decode_ctas = default_decode_slots(64)
     partitions, partition_size = plan_decode_partitions(
-        len(decode_context_lens), num_kv_heads * head_groups, max_decode_context, num_sms
+        len(decode_context_lens), num_kv_heads * head_groups, max_decode_context, resident_decode_ctas
     )
     return HostPlan(
         num_tokens=num_tokens,
@@ -246,16 +285,33 @@ def plan_batch(
     )
 
 
-_NUM_SMS: dict[int, int] = {}
+def default_decode_slots(head_dim: int) -> int:
+    """Resident decode CTAs on an H100 / H200, from the sm_90 register count of the kernel."""
+    regs = SM90_DECODE_REGISTERS[head_dim]
+    return SM90.num_sms * resident_ctas(DECODE_THREADS, regs, decode_smem_bytes(head_dim), SM90)
 
 
-def _num_sms(device: torch.device) -> int:
+_DECODE_SLOTS: dict[tuple[int, int], int] = {}
+
+
+def decode_slots(device: torch.device, head_dim: int) -> int:
+    """Resident decode CTAs on `device`: its multiprocessors' limits and the loaded kernel's registers."""
     if device.type != "cuda":
-        return DEFAULT_NUM_SMS
+        return default_decode_slots(head_dim)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
+    key = (index, head_dim)
+    if key not in _DECODE_SLOTS:
+        props = torch.cuda.get_device_properties(index)
+        limits = SmLimits(num_sms=props.multi_processor_count, registers=props.regs_per_multiprocessor,
+                          shared_memory=props.shared_memory_per_multiprocessor,
+                          threads=props.max_threads_per_multi_processor)
+        smem = decode_smem_bytes(head_dim)
+        import cupy
+
+        with cupy.cuda.Device(index):
+            registers = _kernel(f"paged_decode_bf16_d{head_dim}", index, smem).num_regs
+        _DECODE_SLOTS[key] = limits.num_sms * resident_ctas(DECODE_THREADS, registers, smem, limits)
+    return _DECODE_SLOTS[key]
 
 
 def _check(condition: bool, message: str) -> None:
@@ -281,6 +337,11 @@ class CupyPagedAttention:
         self.scale = scale
         self.launcher = launcher if launcher is not None else launch_with_cupy
 
+    @property
+    def decode_ctas_per_row(self) -> int:
+        """Decode CTAs per row and partition: one per KV head and group of up to 16 of its query heads."""
+        return self.num_kv_heads * -(-self.group // DECODE_ROWS)
+
     # ---- metadata -------------------------------------------------------------------------------------
     def build_metadata(
         self, layout: BatchLayout, device: torch.device, *, context_capacity: int = 0
@@ -289,7 +350,7 @@ class CupyPagedAttention:
         later be refilled in place (refill_metadata) with any batch of as many rows whose contexts stay
         within that many keys: what a captured CUDA graph replays with."""
         device = torch.device(device)
-        plan = plan_batch(layout, self.num_heads, self.num_kv_heads, _num_sms(device),
+        plan = plan_batch(layout, self.num_heads, self.num_kv_heads, decode_slots(device, self.head_dim),
                           context_capacity=context_capacity)
         return self.metadata_from_plan(plan, layout.slot_mapping, layout.block_size, device)
 
@@ -298,7 +359,7 @@ class CupyPagedAttention:
         captured forward baked in (row count, table width, partitions); raises ValueError if it does not fit."""
         _check(layout.num_prefills == 0 and meta.num_prefills == 0, "refill_metadata serves decode-only batches")
         _check(layout.block_size == meta.block_size, f"block size {layout.block_size}, metadata {meta.block_size}")
-        plan = plan_batch(layout, self.num_heads, self.num_kv_heads, DEFAULT_NUM_SMS)
+        plan = plan_batch(layout, self.num_heads, self.num_kv_heads, default_decode_slots(self.head_dim))
         _check(plan.num_decodes == meta.num_decodes, f"{plan.num_decodes} rows, the metadata holds {meta.num_decodes}")
         width = plan.block_tables.shape[1]
         capacity = meta.decode_partitions * meta.decode_partition_size
@@ -331,11 +392,13 @@ class CupyPagedAttention:
             offset += a.size
         block_tables, prefill_seqs, prefill_work, decode_context_lens, row_seq, row_keys = views
 
-        part_out = part_ml = None
+        part_out = part_ml = counters = None
         if plan.decode_partitions > 1:
             shape = (plan.num_decodes, self.num_heads, plan.decode_partitions)
             part_out = torch.empty(shape + (self.head_dim,), dtype=torch.float32, device=device)
             part_ml = torch.empty(shape + (2,), dtype=torch.float32, device=device)
+            # Zeroed once: the CTA that merges a row resets its counter, graph replays included.
+            counters = torch.zeros((plan.num_decodes, self.decode_ctas_per_row), dtype=torch.int32, device=device)
         return CupyAttentionMetadata(
             num_tokens=plan.num_tokens,
             num_prefills=plan.num_prefills,
@@ -354,6 +417,7 @@ class CupyPagedAttention:
             decode_partition_size=plan.decode_partition_size,
             decode_part_out=part_out,
             decode_part_ml=part_ml,
+            decode_counters=counters,
         )
 
     # ---- forward --------------------------------------------------------------------------------------
@@ -417,25 +481,17 @@ class CupyPagedAttention:
         if meta.num_decodes:
             parts = meta.decode_partitions
             split = parts > 1
-            head_groups = -(-self.group // DECODE_ROWS)
             # The decode rows' table rows follow the prefill sequences' rows.
             tables = meta.block_tables.data_ptr() + meta.num_prefills * stride * 4
+            workspace = ((meta.decode_part_out.data_ptr(), meta.decode_part_ml.data_ptr(),
+                          meta.decode_counters.data_ptr()) if split else (0, 0, 0))
             launches.append(Launch(
-                f"paged_decode_{suffix}_d{d}", (meta.num_decodes, kvh * head_groups, parts), (DECODE_THREADS, 1, 1),
-                decode_smem_bytes(d),
-                (out.data_ptr(), meta.decode_part_out.data_ptr() if split else 0,
-                 meta.decode_part_ml.data_ptr() if split else 0, query.data_ptr(), key_cache.data_ptr(),
-                 value_cache.data_ptr(), tables, meta.decode_context_lens.data_ptr(), i32(h), i32(kvh),
-                 block_size_log2, i32(stride), q_stride, i32(meta.num_prefill_tokens),
-                 i32(meta.decode_partition_size), i32(parts), scale_log2),
+                f"paged_decode_{suffix}_d{d}", (meta.num_decodes, self.decode_ctas_per_row, parts),
+                (DECODE_THREADS, 1, 1), decode_smem_bytes(d),
+                (out.data_ptr(), *workspace, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables,
+                 meta.decode_context_lens.data_ptr(), i32(h), i32(kvh), block_size_log2, i32(stride), q_stride,
+                 i32(meta.num_prefill_tokens), i32(meta.decode_partition_size), i32(parts), scale_log2),
             ))
-            if split:
-                launches.append(Launch(
-                    f"paged_decode_reduce_{suffix}", (meta.num_decodes, h, 1), (d, 1, 1), 0,
-                    (out.data_ptr(), meta.decode_part_out.data_ptr(), meta.decode_part_ml.data_ptr(),
-                     meta.decode_context_lens.data_ptr(), i32(h), i32(d), i32(meta.num_prefill_tokens),
-                     i32(meta.decode_partition_size), i32(parts)),
-                ))
         return launches
 
     def _check_inputs(self, query, key, value, key_cache, value_cache, meta, out) -> None:
@@ -468,7 +524,8 @@ class CupyPagedAttention:
         if dtype in TENSOR_CORE_DTYPES and meta.num_decodes and meta.decode_partitions > 1:
             shape = (meta.num_decodes, h, meta.decode_partitions)
             _check(meta.decode_part_out is not None and tuple(meta.decode_part_out.shape) == shape + (d,)
-                   and tuple(meta.decode_part_ml.shape) == shape + (2,),
+                   and tuple(meta.decode_part_ml.shape) == shape + (2,)
+                   and tuple(meta.decode_counters.shape) == (meta.num_decodes, self.decode_ctas_per_row),
                    "metadata split-K workspace does not match the decode rows and partitions")
 
 
@@ -541,7 +598,7 @@ def load_kernels(device: torch.device | str | int | None = None) -> dict[str, in
     with cupy.cuda.Device(index):
         for name in kernel_names():
             smem = 0
-            if name.startswith("paged_decode_") and "_d" in name and "reduce" not in name:
+            if name.startswith("paged_decode_"):
                 smem = decode_smem_bytes(int(name.rsplit("_d", 1)[1]))
             elif name.startswith("paged_prefill_"):
                 smem = prefill_smem_bytes(int(name.rsplit("_d", 1)[1]))
@@ -568,7 +625,7 @@ def supported_reason(device: torch.device | str) -> str | None:
 
 
 __all__ = [
-    "CupyAttentionMetadata", "CupyPagedAttention", "HostPlan", "Launch", "SUPPORTED_HEAD_DIMS", "decode_smem_bytes",
-    "kernel_names", "kernel_source", "launch_with_cupy", "load_kernels", "plan_batch", "plan_decode_partitions",
-    "prefill_smem_bytes", "supported_reason",
+    "CupyAttentionMetadata", "CupyPagedAttention", "HostPlan", "Launch", "SUPPORTED_HEAD_DIMS", "SmLimits",
+    "decode_slots", "decode_smem_bytes", "default_decode_slots", "kernel_names", "kernel_source", "launch_with_cupy",
+    "load_kernels", "plan_batch", "plan_decode_partitions", "prefill_smem_bytes", "resident_ctas", "supported_reason",
 ]

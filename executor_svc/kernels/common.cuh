@@ -183,6 +183,42 @@ template <int N> PS_DEVICE void cp_async_wait() {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Cross-CTA hand-off in global memory (the split-K merge): a CTA publishes results, fences, then counts
+// itself with an atomic; the CTA that counts last reads everyone's results through L2.
+// ---------------------------------------------------------------------------------------------------
+
+// Makes this thread's earlier global writes visible device-wide before its later ones (and, after an
+// atomic, orders the atomic before the reads that follow it).
+PS_DEVICE void thread_fence() {
+#ifndef PAGEDSERVE_EMULATION
+  __threadfence();
+#else
+  emu_thread_fence();
+#endif
+}
+
+PS_DEVICE u32 atomic_add_u32(u32* p, u32 v) {
+  PS_CHECK_GLOBAL(p, 4);
+#ifndef PAGEDSERVE_EMULATION
+  return atomicAdd(p, v);
+#else
+  return emu_atomic_add(p, v);
+#endif
+}
+
+// A float written by another CTA of the same launch: ld.global.cg reads L2, never a stale L1 line.
+PS_DEVICE float load_cg(const float* p) {
+  PS_CHECK_GLOBAL(p, 4);
+#ifndef PAGEDSERVE_EMULATION
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+#else
+  return *p;
+#endif
+}
+
 PS_DEVICE void store_zero_16(void* smem_dst) {
   uint4 z;
   z.x = z.y = z.z = z.w = 0u;

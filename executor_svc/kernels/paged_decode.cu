@@ -18,11 +18,13 @@
 // Keys at or past the context length are never read: their tile rows are zero-filled and their scores
 // masked to -inf, so the tail of the last block (whatever it holds, NaN included) cannot leak in.
 //
-// With num_partitions == 1 the CTA writes the normalised output. Otherwise it writes its partition's
-// normalised output O_z (float32) and (m_z, l_z) = (running max in log2 units, denominator) to the
-// workspace, and paged_decode_reduce merges the partitions:
+// A row whose context fits in one partition is written, normalised, by its one CTA. Otherwise each CTA
+// writes its partition's normalised output O_z (float32) and (m_z, l_z) = (running max in log2 units,
+// denominator) to the workspace, fences, and counts itself on the (row, head group)'s counter; the CTA that
+// counts last (whichever partition it is) merges the partitions and resets the counter to zero for the
+// next launch or graph replay:
 //   out = sum_z w_z O_z / sum_z w_z,  w_z = l_z * exp2(m_z - max_z m_z)
-// (the exp(m_j - m) rescaling of split-K softmax, in base 2).
+// (the exp(m_j - m) rescaling of split-K softmax, in base 2). The merge costs no launch of its own.
 #include "common.cuh"
 
 constexpr int DECODE_WARPS = 4;
@@ -32,11 +34,12 @@ constexpr int DECODE_ROWS = 16;                 // query heads per CTA: the M of
 
 // Dynamic shared memory (the host computes the same in cupy_backend.decode_smem_bytes):
 //   sQ [16][D + PAD], then 2 stages x (sK [64][D + PAD], sV [64][D + PAD]), all of T.
-// The final merge reuses the K/V stages as float sO [4][16][D] followed by sM [4][16] and sL [4][16].
+// The final merge reuses the K/V stages as float sO [4][16][D] followed by sM [4][16] and sL [4][16], then
+// one int (the split-K "this CTA merges" flag).
 
 template <typename T, int D>
 PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml,
-                            const T* __restrict__ query, const T* __restrict__ key_cache,
+                            u32* __restrict__ part_counters, const T* __restrict__ query, const T* __restrict__ key_cache,
                             const T* __restrict__ value_cache, const int* __restrict__ block_tables,
                             const int* __restrict__ context_lens, int num_heads, int num_kv_heads,
                             int block_size_log2, int table_stride, i64 q_stride, int q_row_start,
@@ -44,8 +47,8 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
   constexpr int LD = D + PS_SMEM_PAD;     // shared-memory row stride, elements
   constexpr int VECS = D / 8;             // 16-byte vectors per head row
   static_assert(sizeof(T) == 2, "tensor-core path: 16-bit elements");
-  static_assert(2 * 2 * DECODE_TILE * LD * 2 >= DECODE_WARPS * DECODE_ROWS * (D + 2) * 4,
-                "the merge buffers fit in the K/V stages");
+  static_assert(2 * 2 * DECODE_TILE * LD * 2 >= DECODE_WARPS * DECODE_ROWS * (D + 2) * 4 + 4,
+                "the merge buffers and the flag fit in the K/V stages");
   constexpr int SMEM_BYTES = (DECODE_ROWS + 2 * 2 * DECODE_TILE) * LD * 2;
   require_smem(SMEM_BYTES);
 
@@ -59,7 +62,9 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
 
   const int context_len = context_lens[row];
   const int part_start = partition * partition_size;
-  if (part_start >= context_len) return;  // past this row's context (only with split-K); the reduce skips it
+  if (part_start >= context_len) return;  // past this row's context (only with split-K): not counted
+  // Partitions this row's context reaches; every CTA of the row computes the same number.
+  const int used = min(num_partitions, (context_len + partition_size - 1) / partition_size);
   const int part_end = min(context_len, part_start + partition_size);
   const int* table = block_tables + static_cast<i64>(row) * table_stride;
 
@@ -156,6 +161,8 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
   }
   __syncthreads();
 
+  const i64 out_row = static_cast<i64>(q_row_start + row) * num_heads * D;
+  const int head_base = kv_head * group + head0;  // query head of served row 0
   for (int idx = tid; idx < rows_here * D; idx += DECODE_THREADS) {
     const int r = idx / D, col = idx % D;
     float m_all = PS_NEG_INF;
@@ -170,13 +177,12 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
       den += sl[w * DECODE_ROWS + r] * f;
     }
     const float o = den > 0.0f ? num / den : 0.0f;  // den >= 1: the slice holds at least one key
-    const int head = kv_head * group + head0 + r;
-    if (num_partitions == 1) {
-      T* dst = out + static_cast<i64>(q_row_start + row) * num_heads * D + static_cast<i64>(head) * D + col;
+    if (used == 1) {
+      T* dst = out + out_row + static_cast<i64>(head_base + r) * D + col;
       PS_CHECK_GLOBAL(dst, sizeof(T));
       Elem<T>::store(dst, o);
     } else {
-      const i64 part = (static_cast<i64>(row) * num_heads + head) * num_partitions + partition;
+      const i64 part = (static_cast<i64>(row) * num_heads + head_base + r) * num_partitions + partition;
       PS_CHECK_GLOBAL(part_out + part * D + col, 4);
       part_out[part * D + col] = o;
       if (col == 0) {
@@ -186,60 +192,52 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
       }
     }
   }
-}
+  if (used == 1) return;
 
-// Merges the split-K partitions of each (decode row, query head). Grid: (num_rows, num_heads); block:
-// head_dim threads, one output element each. Partitions past the row's context were never written and
-// are not read.
-template <typename T>
-PS_DEVICE void paged_decode_reduce(T* __restrict__ out, const float* __restrict__ part_out,
-                                   const float* __restrict__ part_ml, const int* __restrict__ context_lens,
-                                   int num_heads, int head_dim, int q_row_start, int partition_size,
-                                   int num_partitions) {
-  const int row = blockIdx.x, head = blockIdx.y, col = threadIdx.x;
-  const int used = min(num_partitions, (context_lens[row] + partition_size - 1) / partition_size);
-  const i64 base = (static_cast<i64>(row) * num_heads + head) * num_partitions;
-  float m_all = PS_NEG_INF;
-  for (int z = 0; z < used; ++z) m_all = fmaxf(m_all, part_ml[(base + z) * 2]);
-  float num = 0.0f, den = 0.0f;
-  for (int z = 0; z < used; ++z) {
-    const float w = part_ml[(base + z) * 2 + 1] * fast_exp2(part_ml[(base + z) * 2] - m_all);
-    PS_CHECK_GLOBAL(part_out + (base + z) * head_dim + col, 4);
-    num += w * part_out[(base + z) * head_dim + col];
-    den += w;
+  // Split-K: count this partition in; the last of the row's `used` CTAs to arrive merges them all.
+  int* merges = reinterpret_cast<int*>(sl + DECODE_WARPS * DECODE_ROWS);
+  thread_fence();  // this thread's partials reach L2 before the count below can be observed
+  __syncthreads();
+  u32* counter = part_counters + static_cast<i64>(row) * gridDim.y + blockIdx.y;
+  if (tid == 0) {
+    *merges = atomic_add_u32(counter, 1u) == static_cast<u32>(used - 1);
+    thread_fence();  // the other CTAs' partials are read after their counts were seen
   }
-  T* dst = out + static_cast<i64>(q_row_start + row) * num_heads * head_dim + static_cast<i64>(head) * head_dim + col;
-  PS_CHECK_GLOBAL(dst, sizeof(T));
-  Elem<T>::store(dst, den > 0.0f ? num / den : 0.0f);
+  __syncthreads();
+  if (!*merges) return;
+  for (int idx = tid; idx < rows_here * D; idx += DECODE_THREADS) {
+    const int r = idx / D, col = idx % D;
+    const i64 first = (static_cast<i64>(row) * num_heads + head_base + r) * num_partitions;
+    float m_all = PS_NEG_INF;
+    for (int z = 0; z < used; ++z) m_all = fmaxf(m_all, load_cg(part_ml + (first + z) * 2));
+    float num = 0.0f, den = 0.0f;
+    for (int z = 0; z < used; ++z) {
+      const float w = load_cg(part_ml + (first + z) * 2 + 1) * fast_exp2(load_cg(part_ml + (first + z) * 2) - m_all);
+      num += w * load_cg(part_out + (first + z) * D + col);
+      den += w;
+    }
+    T* dst = out + out_row + static_cast<i64>(head_base + r) * D + col;
+    PS_CHECK_GLOBAL(dst, sizeof(T));
+    Elem<T>::store(dst, den > 0.0f ? num / den : 0.0f);
+  }
+  if (tid == 0) *counter = 0u;  // every CTA of this row has counted: ready for the next launch
 }
 
 #define PS_DECODE(NAME, T, D)                                                                               \
   extern "C" __global__ void __launch_bounds__(DECODE_THREADS)                                              \
-      NAME(T* out, float* part_out, float* part_ml, const T* query, const T* key_cache, const T* value_cache, \
-           const int* block_tables, const int* context_lens, int num_heads, int num_kv_heads,                \
-           int block_size_log2, int table_stride, i64 q_stride, int q_row_start, int partition_size,        \
-           int num_partitions, float scale_log2) {                                                          \
-    paged_decode<T, D>(out, part_out, part_ml, query, key_cache, value_cache, block_tables, context_lens,   \
-                       num_heads, num_kv_heads, block_size_log2, table_stride, q_stride, q_row_start,       \
-                       partition_size, num_partitions, scale_log2);                                         \
+      NAME(T* out, float* part_out, float* part_ml, u32* part_counters, const T* query, const T* key_cache, \
+           const T* value_cache, const int* block_tables, const int* context_lens, int num_heads,           \
+           int num_kv_heads, int block_size_log2, int table_stride, i64 q_stride, int q_row_start,          \
+           int partition_size, int num_partitions, float scale_log2) {                                      \
+    paged_decode<T, D>(out, part_out, part_ml, part_counters, query, key_cache, value_cache, block_tables,  \
+                       context_lens, num_heads, num_kv_heads, block_size_log2, table_stride, q_stride,      \
+                       q_row_start, partition_size, num_partitions, scale_log2);                            \
   }
 
 PS_DECODE(paged_decode_bf16_d64, bf16, 64)
 PS_DECODE(paged_decode_bf16_d128, bf16, 128)
 PS_DECODE(paged_decode_f16_d64, fp16, 64)
 PS_DECODE(paged_decode_f16_d128, fp16, 128)
-
-#define PS_DECODE_REDUCE(NAME, T)                                                                           \
-  extern "C" __global__ void __launch_bounds__(128)                                                         \
-      NAME(T* out, const float* part_out, const float* part_ml, const int* context_lens, int num_heads,      \
-           int head_dim, int q_row_start, int partition_size, int num_partitions) {                         \
-    paged_decode_reduce<T>(out, part_out, part_ml, context_lens, num_heads, head_dim, q_row_start,          \
-                           partition_size, num_partitions);                                                 \
-  }
-
-PS_DECODE_REDUCE(paged_decode_reduce_bf16, bf16)
-PS_DECODE_REDUCE(paged_decode_reduce_f16, fp16)
-
 // ---------------------------------------------------------------------------------------------------
 // Row-wise attention on CUDA cores, for float32 caches (tests, reference runs): any query row over the
 // first `row_keys[row]` positions of sequence `row_seq[row]`. A prefill query at position p is a row with

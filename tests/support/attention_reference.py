@@ -1,8 +1,9 @@
-"""Float64 references for the CUDA kernels, in plain torch and written for clarity, not speed.
+"""Float64 references for the CUDA kernels, in plain torch and written for clarity.
 
-Each function follows the definition directly, position by position through the block table, so it shares
-no indexing code with the kernels or with TorchPagedAttention; the CPU tests check these references
-against TorchPagedAttention, and the GPU tests check every kernel against them.
+Each function follows the definition directly (position p -> block table[p // block_size], offset
+p % block_size, as one indexing operation over all positions), so it shares no indexing code with the
+kernels or with TorchPagedAttention; the CPU tests check these references against TorchPagedAttention,
+and the GPU tests check every kernel against them.
 
 Cache layout (HND): ``[num_blocks, num_kv_heads, block_size, head_dim]``; position p of a sequence lives
 in block ``table[p // block_size]`` at offset ``p % block_size``. Query head h reads KV head
@@ -22,22 +23,20 @@ def cache_write_reference(
     """Copies of the caches with token t's K/V ([T, KVH * D] or [T, KVH, D]) at slot_mapping[t]; negative slots skipped."""
     key_cache, value_cache = key_cache.clone(), value_cache.clone()
     num_kv_heads, block_size, head_dim = key_cache.shape[1:]
-    key = key.reshape(key.shape[0], num_kv_heads, head_dim)
-    value = value.reshape(value.shape[0], num_kv_heads, head_dim)
-    for token, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:
-            continue
-        block, offset = divmod(slot, block_size)
-        key_cache[block, :, offset] = key[token]
-        value_cache[block, :, offset] = value[token]
+    slots = slot_mapping.cpu().long()
+    written = slots >= 0
+    blocks, offsets = slots[written] // block_size, slots[written] % block_size
+    key_cache[blocks, :, offsets] = key.reshape(key.shape[0], num_kv_heads, head_dim)[written]
+    value_cache[blocks, :, offsets] = value.reshape(value.shape[0], num_kv_heads, head_dim)[written]
     return key_cache, value_cache
 
 
 def gather_context(cache: torch.Tensor, block_table: Sequence[int], context_len: int) -> torch.Tensor:
     """[context_len, KVH, D] float64: positions 0..context_len-1 of one sequence."""
     block_size = cache.shape[2]
-    rows = [cache[block_table[p // block_size], :, p % block_size] for p in range(context_len)]
-    return torch.stack(rows).double() if rows else cache.new_zeros((0,) + cache.shape[1:2] + cache.shape[3:]).double()
+    positions = torch.arange(context_len)
+    blocks = torch.as_tensor(list(block_table), dtype=torch.long)[positions // block_size]
+    return cache[blocks, :, positions % block_size].double()  # [context_len, KVH, D]
 
 
 def paged_attention_reference(
@@ -121,8 +120,8 @@ class PagedProblem:
         if poison:
             live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
             for n, ctx, table in zip(self.query_lens, self.context_lens, self.block_tables):
-                for p in range(ctx - n):  # cached positions hold data; everything else is NaN
-                    live[table[p // block_size] * block_size + p % block_size] = True
+                cached = torch.arange(ctx - n)  # cached positions hold data; everything else is NaN
+                live[torch.as_tensor(table)[cached // block_size] * block_size + cached % block_size] = True
             dead = ~live.view(num_blocks, 1, block_size, 1).expand(shape)
             key_cache[dead] = float("nan")
             value_cache[dead] = float("nan")

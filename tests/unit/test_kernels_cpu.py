@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import random
 import shutil
 import subprocess
@@ -25,8 +26,8 @@ import torch
 
 from executor_svc.attention import cupy_backend
 from executor_svc.attention.cupy_backend import (
-    CupyPagedAttention, KERNEL_DIR, MIN_PARTITION, DECODE_TILE, PREFILL_ROWS, kernel_names, plan_batch,
-    plan_decode_partitions,
+    CupyPagedAttention, KERNEL_DIR, MIN_PARTITION, DECODE_TILE, PREFILL_ROWS, SM90, SmLimits, decode_smem_bytes,
+    default_decode_slots, kernel_names, plan_batch, plan_decode_partitions, resident_ctas,
 )
 from executor_svc.attention.layout import BatchLayout
 from executor_svc.attention.selection import select_attention_backend
@@ -40,8 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").exists(),
-                    reason="nvcc not installed")
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_kernels_check_compiles_every_kernel_without_spills():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernels_check.py")], capture_output=True, text=True,
                           cwd=ROOT)
@@ -59,11 +59,29 @@ def import_kernels_check():
     return kernels_check
 
 
-def test_kernels_check_skips_without_nvcc(monkeypatch, capsys):
+def test_kernels_check_without_any_compiler_is_unchecked_not_passed(monkeypatch, capsys, tmp_path):
     kernels_check = import_kernels_check()
     monkeypatch.setattr(kernels_check, "find_nvcc", lambda explicit: None)
-    assert kernels_check.main([]) == 0
-    assert "skipped" in capsys.readouterr().out
+    monkeypatch.setattr(kernels_check, "find_nvrtc", lambda: None)
+    assert kernels_check.main(["--json", str(tmp_path / "check.json")]) == 2
+    assert "UNCHECKED" in capsys.readouterr().out
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["status"] == "unchecked" and report["kernels"] == {} and report["failures"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_kernels_check_gives_the_same_verdict_through_nvrtc_alone(monkeypatch, tmp_path):
+    """What a GPU machine without the toolkit runs: NVRTC (as CuPy compiles) reads the same spills and frames."""
+    kernels_check = import_kernels_check()
+    if kernels_check.find_nvrtc() is None:
+        pytest.skip("libnvrtc not found (NVRTC_LIBRARY, the nvidia-cuda-nvrtc wheel or the toolkit)")
+    assert kernels_check.main(["--json", str(tmp_path / "both.json")]) == 0
+    monkeypatch.setattr(kernels_check, "find_nvcc", lambda explicit: None)
+    assert kernels_check.main(["--json", str(tmp_path / "nvrtc.json")]) == 0
+    both, alone = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("both", "nvrtc"))
+    assert both["status"] == alone["status"] == "passed" and alone["compilers"]["nvcc"] is None
+    assert set(alone["kernels"]) == {"nvrtc"} and set(alone["kernels"]["nvrtc"]) == set(kernel_names())
+    assert alone["kernels"]["nvrtc"] == both["kernels"]["nvrtc"]
 
 
 def test_kernels_check_parses_ptxas_output():
@@ -133,19 +151,33 @@ def test_plan_batch_index_arrays():
     assert plan.row_keys.tolist() == list(range(1, 38)) + list(range(66, 71)) + [3, 300, 129]
 
 
+def test_resident_ctas_follows_the_binding_limit():
+    # paged_decode at D = 64: 94 registers -> 3,072 per warp, 12,288 per CTA: 5 CTAs by registers; 39,168 B of
+    # shared memory + 1 KB reserve: 5 by shared memory. At D = 128 (164 registers, 73,984 B): 3 by both.
+    assert resident_ctas(128, 94, decode_smem_bytes(64), SM90) == 5
+    assert resident_ctas(128, 164, decode_smem_bytes(128), SM90) == 3
+    assert default_decode_slots(64) == 132 * 5 and default_decode_slots(128) == 132 * 3
+    assert resident_ctas(128, 32, 0, SM90) == 16  # threads bind: 2,048 / 128
+    assert resident_ctas(32, 16, 0, SM90) == 32  # the CTA limit binds
+    assert resident_ctas(128, 94, 100 * 1024, SmLimits(shared_memory=100 * 1024)) == 1  # never below one
+
+
 def test_plan_decode_partitions():
-    # Enough CTAs already: one partition covering the longest context (rounded to the 64-key tile).
-    assert plan_decode_partitions(256, 8, 8192, 132) == (1, 8192)
-    assert plan_decode_partitions(4, 2, 100, 132) == (1, 128)
-    assert plan_decode_partitions(4, 2, MIN_PARTITION, 132) == (1, MIN_PARTITION)
+    slots = 660  # 132 SMs x 5 CTAs
+    # Enough rows to fill whole waves: one partition covering the longest context (rounded to the tile).
+    assert plan_decode_partitions(330, 2, 2048, slots) == (1, 2048)
+    assert plan_decode_partitions(4, 2, 100, slots) == (1, 128)
+    assert plan_decode_partitions(4, 2, MIN_PARTITION, slots) == (1, MIN_PARTITION)
+    # Batch 64 x 2 KV heads = 128 CTAs over 660 slots: 5 partitions of 7 tiles fill one wave (640 CTAs).
+    assert plan_decode_partitions(64, 2, 2048, slots) == (5, 448)
+    # 64 x 8 KV heads at D = 128 (396 slots): 512 CTAs leave a short second wave; 3 partitions make 4 full ones.
+    assert plan_decode_partitions(64, 8, 2048, 396) == (3, 704)
     for rows, ctas_per_row, max_ctx in [(1, 2, 512), (16, 2, 2048), (64, 2, 2048), (1, 8, 8192), (3, 1, 100000)]:
-        parts, size = plan_decode_partitions(rows, ctas_per_row, max_ctx, 132)
+        parts, size = plan_decode_partitions(rows, ctas_per_row, max_ctx, slots)
         assert size % DECODE_TILE == 0 and size >= MIN_PARTITION
         assert parts * size >= max_ctx > (parts - 1) * size  # every partition starts inside the longest context
-        if parts > 1:
-            assert rows * ctas_per_row * parts >= min(4 * 132, rows * ctas_per_row * -(-max_ctx // size))
-    assert plan_decode_partitions(64, 2, 2048, 132)[0] > 1
-    assert plan_decode_partitions(0, 2, 0, 132) == (1, DECODE_TILE)
+        assert rows * ctas_per_row * parts <= slots  # these all fit in one wave
+    assert plan_decode_partitions(0, 2, 0, slots) == (1, DECODE_TILE)
 
 
 def test_build_metadata_on_cpu_is_int32_and_sliced_from_one_buffer():
@@ -157,11 +189,12 @@ def test_build_metadata_on_cpu_is_int32_and_sliced_from_one_buffer():
         assert t.dtype == torch.int32 and t.device.type == "cpu" and t.is_contiguous(), name
     assert meta.slot_mapping.tolist() == mixed_layout().slot_mapping.tolist()
     assert meta.table_stride == meta.block_tables.shape[1] and meta.num_prefill_work == meta.prefill_work.shape[0]
-    # 3 decode rows x 2 KV heads is far below 4 CTAs per SM: the 300-token context is split.
+    # 3 decode rows x 2 KV heads leave most CTA slots idle: the 300-token context is split.
     assert meta.decode_partitions > 1
     assert tuple(meta.decode_part_out.shape) == (3, 14, meta.decode_partitions, 64)
     assert tuple(meta.decode_part_ml.shape) == (3, 14, meta.decode_partitions, 2)
     assert meta.decode_part_out.dtype == torch.float32
+    assert meta.decode_counters.dtype == torch.int32 and meta.decode_counters.tolist() == [[0, 0]] * 3
 
 
 def decode_layout(context_lens, block_size=16, seed=0):
@@ -240,19 +273,20 @@ def make_inputs(dtype=torch.bfloat16, heads=(14, 2), head_dim=64, block_size=16)
 def test_plan_forward_bf16_launches_and_arguments():
     backend, p, meta, out = make_inputs()
     launches = backend.plan_forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, out)
-    assert [l.kernel for l in launches] == ["cache_write_bf16", "paged_prefill_bf16_d64", "paged_decode_bf16_d64",
-                                            "paged_decode_reduce_bf16"]
-    write, prefill, decode, reduce = launches
+    assert [l.kernel for l in launches] == ["cache_write_bf16", "paged_prefill_bf16_d64", "paged_decode_bf16_d64"]
+    write, prefill, decode = launches
     assert write.grid == (-(-45 * 2 * 8 // 128), 1, 1) and write.block == (128, 1, 1)
     assert write.args[:5] == (p.key.data_ptr(), p.value.data_ptr(), p.key_cache.data_ptr(), p.value_cache.data_ptr(),
                               meta.slot_mapping.data_ptr())
     assert write.args[-2:] == (p.key.stride(0), p.value.stride(0)) and write.args[-1] == (14 + 2 * 2) * 64
     assert prefill.grid == (meta.num_prefill_work, 2, 1) and prefill.smem == cupy_backend.prefill_smem_bytes(64)
     assert decode.grid == (3, 2, meta.decode_partitions) and decode.smem == cupy_backend.decode_smem_bytes(64)
+    # Split-K workspace: partial outputs, (max, denominator) pairs, the merge counters.
+    assert decode.args[1:4] == (meta.decode_part_out.data_ptr(), meta.decode_part_ml.data_ptr(),
+                                meta.decode_counters.data_ptr())
     # Decode rows read the table rows after the two prefill sequences, and write rows after the 42 prefill tokens.
-    assert decode.args[6] == meta.block_tables.data_ptr() + 2 * meta.table_stride * 4
-    assert decode.args[13] == 42
-    assert reduce.grid == (3, 14, 1) and reduce.block == (64, 1, 1)
+    assert decode.args[7] == meta.block_tables.data_ptr() + 2 * meta.table_stride * 4
+    assert decode.args[14] == 42
     for launch in launches:
         for arg in launch.args:
             assert isinstance(arg, (int, np.int32, np.int64, np.float32)), (launch.kernel, arg)
@@ -314,7 +348,7 @@ def test_select_attention_backend_auto_on_cuda_paths(monkeypatch):
 def test_kernel_source_is_one_translation_unit():
     source = cupy_backend.kernel_source()
     assert "#include" not in source and "#pragma once" not in source
-    assert len(kernel_names(source)) == len(set(kernel_names(source))) == 19
+    assert len(kernel_names(source)) == len(set(kernel_names(source))) == 17
     for name in kernel_names(source):
         assert f'extern "C"' in source and name in source
 
@@ -381,10 +415,11 @@ def test_decode_reference_is_softmax_over_whole_context():
 EMULATOR_DIR = Path(__file__).resolve().parent / "kernel_emulator"
 
 
-# Scheduling modes of the emulator: (cp.async lands at issue, thread order). Deferred copies expose a
-# missing cp.async wait; eager copies with warp-serial orders expose a missing barrier (a warp running ahead
-# and overwriting a stage the others still read).
-EMULATION_MODES = ((0, 0), (1, 1), (1, 2), (0, 2))
+# Scheduling modes of the emulator: (cp.async lands at issue, thread order, CTAs last to first). Deferred
+# copies expose a missing cp.async wait; eager copies with warp-serial orders expose a missing barrier (a
+# warp running ahead and overwriting a stage the others still read); the reversed grid makes another
+# partition of each split-K row the last to count, so the merge must not depend on which one it is.
+EMULATION_MODES = ((0, 0, 0), (1, 1, 0), (1, 2, 1), (0, 2, 1))
 
 
 class EmulatedLauncher:
@@ -394,14 +429,18 @@ class EmulatedLauncher:
         self.lib = ctypes.CDLL(str(library))
         self.lib.emu_launch.restype = ctypes.c_int
         self.ranges: list[torch.Tensor] | None = None  # the tensors kernels may touch; None: unchecked
-        self.kernels: list[str] = []
+        self.launches: list = []
 
-    def configure(self, eager_copies: int, order: int) -> None:
-        self.lib.emu_configure(ctypes.c_int(eager_copies), ctypes.c_int(order))
+    @property
+    def kernels(self) -> list[str]:
+        return [launch.kernel for launch in self.launches]
+
+    def configure(self, eager_copies: int, order: int, reverse_grid: int) -> None:
+        self.lib.emu_configure(ctypes.c_int(eager_copies), ctypes.c_int(order), ctypes.c_int(reverse_grid))
 
     def __call__(self, launches, device) -> None:
         for launch in launches:
-            self.kernels.append(launch.kernel)
+            self.launches.append(launch)
             values = []
             for arg in launch.args:
                 if isinstance(arg, np.int32):
@@ -452,16 +491,21 @@ def run_emulated(library, problem: PagedProblem, modes=EMULATION_MODES):
     results = []
     for mode in modes:
         key_cache, value_cache = key_cache0.clone(), value_cache0.clone()
+        for workspace in (meta.decode_part_out, meta.decode_part_ml):  # a merge of unwritten partials shows
+            if workspace is not None:
+                workspace.fill_(float("nan"))
         out = torch.full((problem.query.shape[0], problem.num_heads * problem.head_dim), float("nan"),
                          dtype=problem.dtype)
         launcher = backend.launcher
         launcher.ranges = [problem.qkv, key_cache, value_cache, out] + [
             t for t in (meta.slot_mapping, meta.block_tables, meta.prefill_seqs, meta.prefill_work,
                         meta.decode_context_lens, meta.row_seq, meta.row_keys, meta.decode_part_out,
-                        meta.decode_part_ml) if t is not None and t.numel()]
+                        meta.decode_part_ml, meta.decode_counters) if t is not None and t.numel()]
         launcher.configure(*mode)
         launcher(backend.plan_forward(problem.query, problem.key, problem.value, key_cache, value_cache, meta, out),
                  None)
+        if meta.decode_counters is not None:  # each row's merging CTA reset its counter for the next launch
+            assert not meta.decode_counters.any(), meta.decode_counters
         results.append((out, key_cache, value_cache))
     for other in results[1:]:
         for a, b in zip(results[0], other):
@@ -507,7 +551,7 @@ def test_emulated_kernels_match_reference(emulator_library, case):
                                    query_lens=query_lens, cached_lens=cached, num_prefills=num_prefills, dtype=dtype,
                                    seed=len(case))
     if "split" in case:
-        assert meta.decode_partitions > 1 and any(k.startswith("paged_decode_reduce") for k in kernels)
+        assert meta.decode_partitions > 1 and kernels[-1].startswith("paged_decode_")
     if dtype == torch.float32:
         assert {k.split("_d")[0] for k in kernels} == {"cache_write_f32", "paged_attention_rows_f32"}
 
@@ -534,9 +578,9 @@ def test_emulated_decode_without_split_matches_split(emulator_library, monkeypat
                 num_prefills=0, dtype=torch.bfloat16, seed=5)
     split_meta, _ = check_emulated(emulator_library, **args)
     assert split_meta.decode_partitions > 1
-    monkeypatch.setattr(cupy_backend, "CTAS_PER_SM_TARGET", 0)  # every batch "fills" the GPU: no split
-    whole_meta, kernels = check_emulated(emulator_library, **args)
-    assert whole_meta.decode_partitions == 1 and not any("reduce" in k for k in kernels)
+    monkeypatch.setattr(cupy_backend, "MIN_PARTITION", 1 << 20)  # no context is long enough to split
+    whole_meta, _ = check_emulated(emulator_library, **args)
+    assert whole_meta.decode_partitions == 1 and whole_meta.decode_counters is None
 
 
 def test_emulated_decode_after_refill_matches_reference(emulator_library):
@@ -579,7 +623,7 @@ def test_emulator_reports_out_of_bounds_reads(emulator_library):
                            num_prefills=0, dtype=torch.bfloat16)
     problem.block_tables[0][1] = problem.key_cache.shape[0] + 5
     with pytest.raises(RuntimeError, match="outside every argument tensor"):
-        run_emulated(emulator_library, problem, modes=((0, 0),))
+        run_emulated(emulator_library, problem, modes=((0, 0, 0),))
 
 
 def _tiny_llama(path, head_dim=64):

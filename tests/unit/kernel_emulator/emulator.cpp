@@ -98,9 +98,10 @@ struct Entry { const char* name; std::function<void()> (*make)(void**); };
 static const Entry kEntries[] = {EMU_KERNEL_LIST(EMU_ENTRY)};
 }  // namespace emu
 
-extern "C" void emu_configure(int eager_copies, int order) {
+extern "C" void emu_configure(int eager_copies, int order, int reverse_grid) {
   emu::S.eager_copies = eager_copies != 0;
   emu::S.order = order;
+  emu::S.reverse_grid = reverse_grid != 0;
 }
 
 extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
@@ -125,12 +126,13 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
     S.body = entry->make(args);
     S.grid_dim = {gx, gy, gz};
     S.block_dim = {bx, by, bz};
-    for (unsigned z = 0; z < gz && rc == 0; ++z)
-      for (unsigned y = 0; y < gy && rc == 0; ++y)
-        for (unsigned x = 0; x < gx && rc == 0; ++x) {
-          S.block_idx = {x, y, z};
-          rc = run_cta(bx * by * bz, smem);
-        }
+    const unsigned long long ctas = static_cast<unsigned long long>(gx) * gy * gz;
+    for (unsigned long long i = 0; i < ctas && rc == 0; ++i) {
+      const unsigned long long k = S.reverse_grid ? ctas - 1 - i : i;  // x fastest, then y, then z
+      S.block_idx = {static_cast<unsigned>(k % gx), static_cast<unsigned>(k / gx % gy),
+                     static_cast<unsigned>(k / gx / gy)};
+      rc = run_cta(bx * by * bz, smem);
+    }
   }
   snprintf(error, static_cast<size_t>(error_len), "%s", S.error.c_str());
   return rc;

@@ -59,6 +59,7 @@ struct State {
   bool check_ranges = true;
   bool eager_copies = false;  // cp.async lands at issue (exposes write-after-read races) or at its wait
   int order = 0;  // 0: round robin over threads; 1: warp by warp, first to last; 2: last to first
+  bool reverse_grid = false;  // CTAs last to first: whichever CTA of a split-K row counts last must merge
   std::string error;
   long progress = 0;
 };
@@ -240,4 +241,14 @@ static unsigned short emu_float_to_fp16(float x) {
   unsigned short bits;
   memcpy(&bits, &h, 2);
   return bits;
+}
+
+// CTAs run one after another, so a fence has nothing to order and an atomic is a plain read-modify-write;
+// what the emulator checks is the counting logic, under both grid orders (emu_configure).
+static void emu_thread_fence() {}
+
+static unsigned int emu_atomic_add(unsigned int* p, unsigned int v) {
+  const unsigned int old = *p;
+  *p = old + v;
+  return old;
 }
