@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
             executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout
         )
     manager = build_block_manager(configs[CacheConfig], info)
-    service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"))
+    service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"),
+                      dependencies={"executor_svc": serving.executor})
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(manager), service.server)
     logger.info("block pool: %d blocks of %d tokens", info.num_blocks, info.block_size)
     service.serve_until_signalled()
