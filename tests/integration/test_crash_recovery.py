@@ -25,7 +25,7 @@ from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Long enough that the outage is seen (health is polled every 0.5 s), short enough for a quick test.
-RESTART_BACKOFF_S = 2.0
+RESTART_BACKOFF_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,11 @@ def test_scheduler_killed_under_load_every_stream_continues_unchanged(stack, ref
         os.kill(old_pid, signal.SIGKILL)
         assert wait_for(lambda: health(stack.address) == NOT_SERVING, timeout=RESTART_BACKOFF_S), \
             "the frontend stayed SERVING without its scheduler"
+        # A request arriving now waits for the scheduler, as long as its deadline allows.
+        with pytest.raises(grpc.RpcError) as expired:
+            client.generate(build_request(prompt_token_ids=[1, 2, 3], request_id="expires", max_tokens=4),
+                            timeout=0.5)
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert wait_for(lambda: health(stack.address) == SERVING, timeout=60)
         results = [future.result() for future in futures]
 
@@ -128,7 +133,7 @@ def test_scheduler_killed_under_load_every_stream_continues_unchanged(stack, ref
 
 def test_frontend_killed_clients_get_unavailable_and_a_retry_runs_once(stack, reference):
     requests = prompts(16, seed=1)
-    max_tokens = 400  # long enough to be mid-stream when the frontend dies
+    max_tokens = 200  # long enough to be mid-stream when the frontend dies
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     expected = reference.generate(requests, params)
 
