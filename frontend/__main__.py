@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     info = scheduler.GetInfo(scheduler_pb2.SchedulerInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout)
     tokenizer = AutoTokenizer.from_pretrained(configs[ModelConfig].tokenizer or info.model_dir)
     link = SchedulerLink(scheduler)
-    service = Service("frontend", serving.host, serving.listen_port("frontend"), max_workers=serving.max_streams)
+    service = Service("frontend", serving.host, serving.listen_port("frontend"), max_workers=serving.max_streams,
+                      dependencies={"scheduler_svc": serving.scheduler})
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(link, tokenizer, info), service.server)
     service.serve_until_signalled(on_stop=link.close)
     scheduler_channel.close()

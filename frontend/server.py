@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,25 +24,53 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting stream checks that its client is still there (cancellation also arrives as a callback).
 POLL_S = 1.0
+# Between attempts to reopen the stream to the scheduler (on top of the channel's own reconnect backoff).
+RECONNECT_MIN_S = 0.1
+RECONNECT_MAX_S = 2.0
+
+
+@dataclass
+class _InFlight:
+    """A submitted request as the link remembers it, to re-submit it to a restarted scheduler."""
+
+    add: scheduler_pb2.AddRequest
+    inbox: queue.SimpleQueue
+    output_token_ids: list[int] = field(default_factory=list)  # received from the scheduler so far
+    done: bool = False  # finished or aborted: never re-submitted
 
 
 class SchedulerLink:
-    """The frontend's one stream to the scheduler: requests go out, each output goes to its request's queue."""
+    """The frontend's one stream to the scheduler: requests go out, each output goes to its request's queue.
+
+    When the stream breaks (the scheduler died), the link opens a new one, which waits for the scheduler
+    to be back (wait_for_ready), and re-submits on it every request in flight with the tokens it has
+    produced so far: the restarted scheduler continues them, and their client streams simply go on.
+    Requests submitted meanwhile wait on the new stream, as long as their callers wait for them.
+    """
 
     def __init__(self, scheduler_stub) -> None:
         self.scheduler = scheduler_stub
-        self.pending: dict[str, queue.SimpleQueue] = {}
+        self.in_flight: dict[str, _InFlight] = {}
         self.lock = threading.Lock()
-        self.broken: str | None = None
         self.closing = False
-        self._connect()
+        self.outgoing: queue.SimpleQueue | None = None
+        with self.lock:
+            self._open()
+        threading.Thread(target=self._run, name="scheduler-link", daemon=True).start()
 
-    def _connect(self) -> None:
-        # wait_for_ready: a scheduler that is restarting is waited for rather than failed at once.
-        self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
+    def _open(self) -> None:
+        """Replaces the stream by a new one that starts with every request in flight. Holds the lock, so
+        that a submit or an abort goes either before (and is re-submitted or skipped) or onto the new one."""
+        if self.outgoing is not None:
+            self.outgoing.put(None)  # ends the old stream's message generator
+        self.outgoing = queue.SimpleQueue()
+        for entry in self.in_flight.values():
+            if not entry.done:
+                add = scheduler_pb2.AddRequest()
+                add.CopyFrom(entry.add)
+                add.output_token_ids[:] = entry.output_token_ids
+                self.outgoing.put(scheduler_pb2.SchedulerRequest(add=add))
         self.stream = self.scheduler.Connect(self._outgoing_messages(self.outgoing), wait_for_ready=True)
-        self.broken = None
-        threading.Thread(target=self._read, args=(self.stream,), name="scheduler-link", daemon=True).start()
 
     @staticmethod
     def _outgoing_messages(outgoing: queue.SimpleQueue):
@@ -50,55 +80,80 @@ class SchedulerLink:
                 return
             yield message
 
-    def _read(self, stream) -> None:
+    def _run(self) -> None:
+        delay = RECONNECT_MIN_S
+        while True:
+            opened = time.monotonic()
+            reason = self._read(self.stream)
+            if self.closing:
+                return
+            # A stream that failed at once (the scheduler is up but refuses it) must not be retried in a
+            # hot loop; one that lived is reopened almost at once.
+            lived = time.monotonic() - opened > RECONNECT_MAX_S
+            delay = RECONNECT_MIN_S if lived else min(2 * delay, RECONNECT_MAX_S)
+            with self.lock:
+                count = sum(not entry.done for entry in self.in_flight.values())
+            logger.warning("%s; re-submitting %d requests in flight once it is back", reason, count)
+            time.sleep(delay)
+            with self.lock:
+                if self.closing:
+                    return
+                self._open()
+
+    def _read(self, stream) -> str:
         try:
             for update in stream:
+                routes = []
                 with self.lock:
-                    routes = [(self.pending.get(o.request_id), o) for o in update.outputs]
+                    for output in update.outputs:
+                        entry = self.in_flight.get(output.request_id)
+                        if entry is None:
+                            continue
+                        entry.output_token_ids.extend(output.new_token_ids)
+                        if output.finish_reason:
+                            entry.done = True
+                        routes.append((entry.inbox, output))
                 for inbox, output in routes:
-                    if inbox is not None:
-                        inbox.put(output)
-            reason = "the scheduler closed the stream"
+                    inbox.put(output)
+            return "the scheduler closed the stream"
         except grpc.RpcError as error:
-            reason = f"lost the scheduler: {error.code().name}"
-        if not self.closing:
-            logger.warning("%s", reason)
-        with self.lock:
-            self.broken = reason
-            inboxes = list(self.pending.values())
-        for inbox in inboxes:
-            inbox.put(None)
+            return f"lost the scheduler: {error.code().name}"
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                cache_salt: str | None) -> queue.SimpleQueue:
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        with self.lock:
-            if self.closing:
-                raise ConnectionError("the frontend is shutting down")
-            if self.broken:
-                # Requests of the lost stream have failed; new ones go out on a fresh stream.
-                self._connect()
-            if request_id in self.pending:
-                raise KeyError(request_id)
-            self.pending[request_id] = inbox
         add = scheduler_pb2.AddRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt or ""
         )
         sampling_to_proto(params, add.sampling)
-        self.outgoing.put(scheduler_pb2.SchedulerRequest(add=add))
-        return inbox
+        entry = _InFlight(add, queue.SimpleQueue())
+        with self.lock:
+            if self.closing:
+                raise ConnectionError("the frontend is shutting down")
+            if request_id in self.in_flight:
+                raise KeyError(request_id)
+            self.in_flight[request_id] = entry
+            self.outgoing.put(scheduler_pb2.SchedulerRequest(add=add))
+        return entry.inbox
 
     def abort(self, request_id: str) -> None:
-        self.outgoing.put(scheduler_pb2.SchedulerRequest(abort=scheduler_pb2.AbortRequest(request_id=request_id)))
+        with self.lock:
+            entry = self.in_flight.get(request_id)
+            if entry is not None:
+                entry.done = True
+            self.outgoing.put(scheduler_pb2.SchedulerRequest(abort=scheduler_pb2.AbortRequest(request_id=request_id)))
 
     def release(self, request_id: str) -> None:
         with self.lock:
-            self.pending.pop(request_id, None)
+            self.in_flight.pop(request_id, None)
 
     def close(self) -> None:
-        self.closing = True
-        self.outgoing.put(None)
+        with self.lock:
+            self.closing = True
+            self.outgoing.put(None)
+            inboxes = [entry.inbox for entry in self.in_flight.values()]
         self.stream.cancel()
+        for inbox in inboxes:
+            inbox.put(None)
 
 
 def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
@@ -169,7 +224,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     return
                 continue
             if output is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, self.link.broken or "scheduler unavailable")
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down")
             if output.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 context.abort(grpc.StatusCode.INTERNAL, output.error or "request failed")
             delta = state.update(list(output.new_token_ids), FINISH_REASON_NAMES[output.finish_reason])

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     manager = build_block_manager(configs[CacheConfig], info)
     durable = durable_state(configs[CacheConfig], manager)
-    service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"))
+    service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"),
+                      dependencies={"executor_svc": serving.executor})
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(manager, durable), service.server)
     logger.info("block pool: %d blocks of %d tokens", info.num_blocks, info.block_size)
     service.serve_until_signalled()

@@ -18,6 +18,10 @@ from pathlib import Path
 CPU_KV_CACHE_CAP = 4 << 30
 # Where each service listens unless told (--port); pagedserve up's public API is the frontend's.
 SERVICE_PORTS = {"frontend": 50051, "scheduler_svc": 50052, "kvcache_svc": 50053, "executor_svc": 50054}
+# `pagedserve up` restarts a service that dies: the backoff between restarts stops growing here, and a run
+# this long counts as healthy (the next failure starts the backoff and the count of rapid failures afresh).
+RESTART_BACKOFF_CAP_S = 30.0
+RESTART_STABLE_S = 60.0
 
 
 def option(default, help: str, *, choices=None, min=None, max=None, flag: bool = True):
@@ -185,6 +189,12 @@ class ServingConfig(_Config):
     startup_timeout: float = option(600.0, "seconds to wait for the service this one needs (or, for "
                                            "`pagedserve up`, for each service) to come up", min=1.0)
     max_streams: int = option(512, "concurrent Generate streams the frontend serves", min=1)
+    restart_backoff: float = option(1.0, "`pagedserve up`: seconds before restarting a service that died; "
+                                          "doubles with each rapid failure in a row, up to "
+                                          f"{RESTART_BACKOFF_CAP_S:g}", min=0.01)
+    max_restarts: int = option(5, "`pagedserve up`: rapid failures of one service in a row (each within "
+                                  f"{RESTART_STABLE_S:g} s of its start) after which it gives up and stops "
+                                  "everything", min=0)
 
     def listen_port(self, service: str) -> int:
         return SERVICE_PORTS[service] if self.port is None else self.port

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         scheduler_pb2.SchedulerInfo(model=info.model, model_dir=info.model_dir,
                                     max_model_len=info.max_model_len, vocab_size=info.vocab_size),
     )
-    service = Service("scheduler_svc", serving.host, serving.listen_port("scheduler_svc"), max_workers=64)
+    service = Service("scheduler_svc", serving.host, serving.listen_port("scheduler_svc"), max_workers=64,
+                      dependencies={"kvcache_svc": serving.kvcache, "executor_svc": serving.executor})
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     servicer.loop.start()
     service.serve_until_signalled(on_stop=servicer.loop.stop)

@@ -29,7 +29,10 @@ class Request:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         cache_salt: str | None = None,
+        output_token_ids: list[int] = (),
     ) -> None:
+        """output_token_ids: tokens already produced (a request re-submitted after a scheduler restart);
+        generation continues after them, and they count toward max_tokens and min_tokens."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -38,7 +41,10 @@ class Request:
         room = max_model_len - len(self.prompt_token_ids)
         wanted = sampling_params.max_tokens
         self.max_output_tokens = room if wanted is None else min(wanted, room)
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(output_token_ids)
+        if self.output_token_ids and len(self.output_token_ids) >= self.max_output_tokens:
+            raise ValueError(f"{len(self.output_token_ids)} output tokens already produced: the request has "
+                             f"no room left (at most {self.max_output_tokens})")
         self.output_logprobs: list[SampledToken] = []
         # Tokens whose K/V is in the cache (or scheduled this step): the scheduler's only notion of
         # progress; there are no prefill/decode phases, only catching up to num_tokens.

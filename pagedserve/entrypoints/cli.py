@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -21,7 +22,7 @@ from pagedserve.config import (
 DEFAULT_ADDRESS = f"{ServingConfig().host}:{SERVICE_PORTS['frontend']}"
 UP_SECTIONS = {
     ModelConfig: None, CacheConfig: None, SchedulerConfig: None,
-    ServingConfig: ("host", "port", "log_level", "startup_timeout", "max_streams"),
+    ServingConfig: ("host", "port", "log_level", "startup_timeout", "max_streams", "restart_backoff", "max_restarts"),
 }
 
 
@@ -35,11 +36,21 @@ def _up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     print(f"starting pagedserve ({model.model} on {model.device}, {model.dtype}) ...", flush=True)
+    # What the supervisor does (a service died, restarted, given up on) is news for whoever runs this.
+    supervisor_log = logging.getLogger("pagedserve.entrypoints.supervisor")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("pagedserve: %(message)s"))
+    supervisor_log.addHandler(handler)
+    supervisor_log.setLevel(logging.INFO)
+    supervisor_log.propagate = False
     with Stack(config) as stack:
         print(f"pagedserve is serving the Generate API on {stack.address} (Ctrl-C stops it)", flush=True)
         address = "" if stack.address == DEFAULT_ADDRESS else f" --address {stack.address}"
         print(f'try: pagedserve generate{address} --chat --temperature 0 "What is the capital of France?"', flush=True)
-        stopping.wait()
+        while not stopping.wait(0.5):
+            if stack.supervisor.gave_up.is_set():
+                print("stopping every service ...", flush=True)
+                return 1
         print("stopping ...", flush=True)
     return 0
 

@@ -1,12 +1,12 @@
-"""Starts the four services as local processes, in dependency order, and stops them all together."""
+"""Starts the four services as local processes, in dependency order, restarts any that dies, and stops them
+all together."""
 from __future__ import annotations
 
 import dataclasses
-import logging
-import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import executor_svc.__main__
@@ -14,9 +14,8 @@ import frontend.__main__
 import kvcache_svc.__main__
 import scheduler_svc.__main__
 from pagedserve.config import PagedServeConfig, to_argv
+from pagedserve.entrypoints.supervisor import RestartPolicy, Supervisor
 from pagedserve.service import wait_until_serving
-
-logger = logging.getLogger(__name__)
 
 # In start order: each needs the ones before it.
 SERVICES = {
@@ -34,14 +33,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Stack:
-    """The running services; use as a context manager, or call start() and stop().
+    """The running services, supervised: one that dies is restarted on the same address (see
+    supervisor.py). Use as a context manager, or call start() and stop().
 
     Port 0 (serving_config.port) serves the public API on a free port; the internal ports are always free ones.
     """
 
     def __init__(self, config: PagedServeConfig) -> None:
         self.config = config
-        self.processes: list[tuple[str, subprocess.Popen]] = []
         host = config.serving_config.host
         self.addresses = {module: f"{host}:{free_port(host)}" for module in SERVICES}
         self.addresses["frontend"] = f"{host}:{config.serving_config.listen_port('frontend') or free_port(host)}"
@@ -49,6 +48,14 @@ class Stack:
         self.executor_address = self.addresses["executor_svc"]
         self.kvcache_address = self.addresses["kvcache_svc"]
         self.scheduler_address = self.addresses["scheduler_svc"]
+        serving = config.serving_config
+        self.supervisor = Supervisor(self._spawn, self._wait_serving,
+                                     RestartPolicy(serving.restart_backoff, serving.max_restarts))
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen]:
+        """The live process of each service, by module name."""
+        return self.supervisor.processes
 
     def service_argv(self, module: str) -> list[str]:
         """The flags that give a service this stack's configuration: the flags its own parser declares."""
@@ -59,21 +66,22 @@ class Stack:
         return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)
 
     def start(self) -> "Stack":
-        try:
-            for module in SERVICES:
-                self._spawn(module, self.addresses[module], self.service_argv(module))
-        except BaseException:
-            self.stop()
-            raise
+        self.supervisor.start(list(SERVICES))
         return self
 
-    def _spawn(self, module: str, address: str, args: list[str]) -> None:
-        process = subprocess.Popen([sys.executable, "-m", module, *args])
-        self.processes.append((module, process))
+    def _spawn(self, module: str) -> subprocess.Popen:
+        # A process group of its own: a Ctrl-C at the terminal reaches the launcher alone, which then
+        # stops the services in order instead of all of them dying at once.
+        return subprocess.Popen([sys.executable, "-m", module, *self.service_argv(module)], process_group=0)
+
+    def _wait_serving(self, module: str, process: subprocess.Popen, stopping: threading.Event) -> None:
+        address = self.addresses[module]
         deadline = time.monotonic() + self.config.serving_config.startup_timeout
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"{module} exited with status {process.returncode} while starting")
+            if stopping.is_set():
+                raise RuntimeError(f"stopped while {module} was starting")
             try:
                 wait_until_serving(address, timeout=2.0)
                 return
@@ -82,18 +90,7 @@ class Stack:
                     raise TimeoutError(f"{module} did not report SERVING on {address}") from None
 
     def stop(self, timeout: float = 10.0) -> None:
-        # Front to back, each gone before the next is told, so that no service is left calling one that
-        # has already stopped (the scheduler finishes its step before the executor goes).
-        for module, process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", module)
-                process.kill()
-                process.wait()
-        self.processes.clear()
+        self.supervisor.stop(timeout)
 
     def __enter__(self) -> "Stack":
         return self.start()

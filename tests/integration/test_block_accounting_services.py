@@ -5,7 +5,6 @@ every block comes back."""
 from __future__ import annotations
 
 import random
-import shutil
 import threading
 
 import pytest
@@ -17,24 +16,10 @@ from pagedserve.config import PagedServeConfig
 from pagedserve.entrypoints.launcher import Stack
 from pagedserve.service import channel
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.conftest import write_tiny_model
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 24
 SALTS = [None, "tenant-a", "tenant-b"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_with_tokenizer(tmp_path_factory):
-    """A tiny random Llama whose ids all decode with the default model's tokenizer (the frontend needs one)."""
-    from executor_svc.model_loader import resolve_model_dir
-
-    path = tmp_path_factory.mktemp("tiny-llama-tokenized")
-    write_tiny_model("llama", path)
-    for source in resolve_model_dir("default").iterdir():
-        if source.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(source, path / source.name)
-    return path
 
 
 def workload(seed: int = 0):

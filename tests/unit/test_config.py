@@ -27,7 +27,7 @@ CHANGED = PagedServeConfig(
                 offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True),
     SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False),
     ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",
-                  startup_timeout=5.5, max_streams=9),
+                  startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2),
 )
 
 
