@@ -75,6 +75,7 @@ class Scheduler:
         # Ended since the last step: the block manager frees them and the executor drops their state.
         self.pending_frees: list[str] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed, then given back (preemption, a failed step), to compute again
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -264,6 +265,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         request.status = RequestStatus.WAITING
+        self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.num_tokens_sent_to_kv = 0
         request.num_preemptions += 1

@@ -167,6 +167,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_steps=self.loop.num_steps, num_preemptions=self.scheduler.num_preemptions,
             kv_rpcs=self.backends.kv_rpcs, executor_rpcs=self.backends.executor_rpcs,
+            num_failed_steps=self.loop.num_failed_steps, num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
         )
 
     def GetInfo(self, request, context):

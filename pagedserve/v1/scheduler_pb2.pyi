@@ -63,20 +63,24 @@ class SchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_steps", "num_preemptions", "kv_rpcs", "executor_rpcs")
+    __slots__ = ("num_running", "num_waiting", "num_steps", "num_preemptions", "kv_rpcs", "executor_rpcs", "num_failed_steps", "num_recomputed_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_RPCS_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_RPCS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_steps: int
     num_preemptions: int
     kv_rpcs: int
     executor_rpcs: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_rpcs: _Optional[int] = ..., executor_rpcs: _Optional[int] = ...) -> None: ...
+    num_failed_steps: int
+    num_recomputed_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_rpcs: _Optional[int] = ..., executor_rpcs: _Optional[int] = ..., num_failed_steps: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class SchedulerInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,7 +1,9 @@
 """Services killed with SIGKILL under load, through the public API of a supervised stack (a tiny random
 Llama on the CPU): the supervisor restarts them on the same address, health reports the outage, and
-requests either continue unharmed (scheduler killed) or fail with UNAVAILABLE and run once when retried
-(frontend killed). Outputs are compared with the offline LLM on the same model."""
+requests either continue unharmed (scheduler, executor and KV-cache service killed: the executor's and
+the block manager's requests are recomputed, or with Redis the block manager resumes its saved state) or
+fail with UNAVAILABLE and run once when retried (frontend killed). Outputs are compared with the offline
+LLM on the same model."""
 from __future__ import annotations
 
 import os
@@ -20,7 +22,7 @@ from pagedserve.client import GenerateClient, build_request
 from pagedserve.config import PagedServeConfig
 from pagedserve.entrypoints.launcher import Stack
 from pagedserve.service import channel, wait_until_serving
-from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -42,7 +44,7 @@ def reference(model):
 def stack(model):
     config = PagedServeConfig.from_kwargs(
         model=model, device="cpu", port=0, log_level="WARNING", kv_cache_memory=64 << 20,
-        restart_backoff=RESTART_BACKOFF_S, max_restarts=2,
+        restart_backoff=RESTART_BACKOFF_S, max_restarts=5,
     )
     with Stack(config) as stack:
         yield stack
@@ -70,10 +72,67 @@ def wait_for(predicate, timeout: float) -> bool:
     return False
 
 
-def scheduler_load(stack) -> int:
+def scheduler_stats(stack) -> scheduler_pb2.SchedulerStats:
     with channel(stack.scheduler_address) as ch:
-        stats = scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5)
+        return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5)
+
+
+def scheduler_load(stack) -> int:
+    stats = scheduler_stats(stack)
     return stats.num_running + stats.num_waiting
+
+
+def kv_stats(stack) -> kvcache_pb2.KVCacheStats:
+    with channel(stack.kvcache_address) as ch:
+        return kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.KVCacheStatsRequest(), timeout=5)
+
+
+def kv_idle(stack) -> bool:
+    try:
+        stats = kv_stats(stack)
+    except grpc.RpcError:
+        return False
+    return stats.num_requests == 0 and stats.num_in_use == 0
+
+
+def stream(client: GenerateClient, prompt: list[int], request_id: str, max_tokens: int,
+           progress: dict | None = None) -> tuple[list[int], list[float]]:
+    tokens, logprobs = [], []
+    for response in client.stream(build_request(
+        prompt_token_ids=prompt, request_id=request_id, temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+        logprobs=1,
+    ), timeout=120):
+        tokens.extend(response.token_ids)
+        logprobs.extend(entry.logprob for entry in response.logprobs)
+        if progress is not None:
+            progress[request_id] = len(tokens)
+    return tokens, logprobs
+
+
+def load_with_a_kill(stack, service: str, requests: list[list[int]], max_tokens: int, tag: str):
+    """Streams the requests 16 at a time and SIGKILLs the service once 30 have completed; returns each
+    request's (tokens, logprobs) and how many were mid-stream at the kill."""
+    progress: dict[str, int] = {}
+    done = threading.Semaphore(0)
+
+    def run(client: GenerateClient, i: int):
+        try:
+            return stream(client, requests[i], f"{tag}-{i}", max_tokens, progress)
+        finally:
+            done.release()
+
+    old_pid = stack.processes[service].pid
+    with GenerateClient(stack.address) as client, ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(run, client, i) for i in range(len(requests))]
+        for _ in range(30):
+            done.acquire()
+        # Requests finish in waves: kill while one is part-way through its stream.
+        wait_for(lambda: any(0 < n < max_tokens for n in list(progress.values())), timeout=30)
+        midway = sum(1 for n in list(progress.values()) if 0 < n < max_tokens)
+        os.kill(old_pid, signal.SIGKILL)
+        results = [future.result() for future in futures]
+    assert stack.processes[service].pid != old_pid, f"{service} was not restarted"
+    return results, midway
 
 
 def assert_matches(got: tuple[list[int], list[float]], want, label: str) -> None:
@@ -112,7 +171,8 @@ def test_scheduler_killed_under_load_every_stream_continues_unchanged(stack, ref
         futures = [pool.submit(run, client, i) for i in range(len(requests))]
         for _ in range(30):
             done.acquire()
-        midway = [i for i, n in progress.items() if 0 < n < max_tokens]
+        wait_for(lambda: any(0 < n < max_tokens for n in list(progress.values())), timeout=30)
+        midway = [i for i, n in list(progress.items()) if 0 < n < max_tokens]
         os.kill(old_pid, signal.SIGKILL)
         assert wait_for(lambda: health(stack.address) == NOT_SERVING, timeout=RESTART_BACKOFF_S), \
             "the frontend stayed SERVING without its scheduler"
@@ -128,7 +188,80 @@ def test_scheduler_killed_under_load_every_stream_continues_unchanged(stack, ref
     assert stack.processes["scheduler_svc"].pid != old_pid and stack.supervisor.restarts == {"scheduler_svc": 1}
     for i, got in enumerate(results):
         assert_matches(got, expected[i], f"request {i}")
-    # The old scheduler's blocks stay in kvcache_svc until it learns of the new scheduler: not checked here.
+    # The new scheduler's first step told kvcache_svc to drop what the old one held.
+    assert wait_for(lambda: kv_idle(stack), timeout=10), "the killed scheduler's blocks leaked"
+
+
+def test_executor_killed_under_load_every_request_is_recomputed_unchanged(stack, reference):
+    requests, max_tokens = prompts(100, seed=2), 32
+    expected = reference.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                           logprobs=1))
+    before = scheduler_stats(stack)
+    results, midway = load_with_a_kill(stack, "executor_svc", requests, max_tokens, "executor-kill")
+    after = scheduler_stats(stack)
+    assert midway, "no request was mid-stream when the executor died: the test shows nothing"
+    for i, got in enumerate(results):
+        assert_matches(got, expected[i], f"request {i}")
+    # The step in flight was rolled back, and the running requests were recomputed on the new instance.
+    assert after.num_failed_steps > before.num_failed_steps
+    assert after.num_recomputed_tokens > before.num_recomputed_tokens
+    assert wait_for(lambda: kv_idle(stack), timeout=10)
+
+
+def test_prompts_cached_before_an_executor_restart_are_recomputed_not_reused(stack, reference):
+    warm = prompts(6, seed=3)
+    expected = reference.generate(warm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1))
+    with GenerateClient(stack.address) as client:
+        for i, prompt in enumerate(warm):
+            assert_matches(stream(client, prompt, f"warm-{i}", 16), expected[i], f"warm {i}")
+    assert kv_stats(stack).num_cached_evictable > 0, "nothing was cached: the test shows nothing"
+    old_pid = stack.processes["executor_svc"].pid
+    os.kill(old_pid, signal.SIGKILL)
+    assert wait_for(lambda: stack.processes["executor_svc"].pid != old_pid, timeout=30)
+    wait_until_serving(stack.executor_address, timeout=60)
+    failed_before = scheduler_stats(stack).num_failed_steps
+    # The new executor's KV is all zeros: a prefix served from the old index would change every output.
+    with GenerateClient(stack.address) as client:
+        for i, prompt in enumerate(warm):
+            assert_matches(stream(client, prompt, f"again-{i}", 16), expected[i], f"again {i}")
+    # The first plan still named the old instance: the new one refused it rather than run it.
+    assert scheduler_stats(stack).num_failed_steps == failed_before + 1
+
+
+def test_kvcache_killed_under_load_without_redis_requests_are_readmitted(stack, reference):
+    requests, max_tokens = prompts(100, seed=4), 32
+    expected = reference.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                           logprobs=1))
+    before = scheduler_stats(stack)
+    results, midway = load_with_a_kill(stack, "kvcache_svc", requests, max_tokens, "kvcache-kill")
+    after = scheduler_stats(stack)
+    assert midway
+    for i, got in enumerate(results):
+        assert_matches(got, expected[i], f"request {i}")
+    assert after.num_recomputed_tokens > before.num_recomputed_tokens  # the restarted pool knew none of them
+    # No hot loop while it was down: a handful of retries, not thousands.
+    failed_calls = (after.kv_rpcs - before.kv_rpcs) - (after.executor_rpcs - before.executor_rpcs)
+    assert failed_calls < 40, f"{failed_calls} calls to a dead KV-cache service"
+    assert wait_for(lambda: kv_idle(stack), timeout=10)
+
+
+def test_kvcache_killed_with_redis_resumes_its_saved_state(model, reference, redis_server):
+    requests, max_tokens = prompts(60, seed=5), 32
+    expected = reference.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                           logprobs=1))
+    config = PagedServeConfig.from_kwargs(
+        model=model, device="cpu", port=0, log_level="WARNING", kv_cache_memory=64 << 20,
+        redis_url=redis_server.url, restart_backoff=1.0, max_restarts=2,
+    )
+    with Stack(config) as stack:
+        results, midway = load_with_a_kill(stack, "kvcache_svc", requests, max_tokens, "durable")
+        stats = scheduler_stats(stack)
+        assert wait_for(lambda: kv_idle(stack), timeout=10)
+    assert midway
+    for i, got in enumerate(results):
+        assert_matches(got, expected[i], f"request {i}")
+    # The restarted service took over the saved pool: nobody had to be recomputed.
+    assert stats.num_recomputed_tokens == 0 and stats.num_preemptions == 0
 
 
 def test_frontend_killed_clients_get_unavailable_and_a_retry_runs_once(stack, reference):
