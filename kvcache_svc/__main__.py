@@ -9,14 +9,14 @@ import logging
 from kvcache_svc.build import build_block_manager
 from kvcache_svc.server import KVCacheServicer
 from pagedserve.config import CacheConfig, ServingConfig, parse
-from pagedserve.service import Service, channel, configure_logging
+from pagedserve.service import Security, Service, channel, configure_logging
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc, kvcache_pb2_grpc
 
 logger = logging.getLogger("kvcache_svc")
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "executor", "startup_timeout"),
-    CacheConfig: ("enable_prefix_caching", "offload_all"),
+    ServingConfig: ("host", "port", "log_level", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca", "internal_token_file"),
+    CacheConfig: ("enable_prefix_caching", "offload_all", "redis_namespace"),
 }
 
 
@@ -28,12 +28,13 @@ def main(argv: list[str] | None = None) -> None:
     configs = parse_args(argv)
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
-    with channel(serving.executor) as ch:
+    security = Security.from_config(serving)
+    with channel(serving.executor, security) as ch:
         info = executor_pb2_grpc.ExecutorStub(ch).GetInfo(
             executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout
         )
     manager = build_block_manager(configs[CacheConfig], info)
-    service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"))
+    service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"), security=security)
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(manager), service.server)
     logger.info("block pool: %d blocks of %d tokens", info.num_blocks, info.block_size)
     service.serve_until_signalled()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,7 +16,7 @@ import frontend.__main__
 import kvcache_svc.__main__
 import scheduler_svc.__main__
 from pagedserve.config import PagedServeConfig, to_argv
-from pagedserve.service import wait_until_serving
+from pagedserve.service import INTERNAL_TOKEN_ENV, Security, channel, wait_until_serving
 
 logger = logging.getLogger(__name__)
 
@@ -36,15 +38,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 class Stack:
     """The running services; use as a context manager, or call start() and stop().
 
-    Port 0 (serving_config.port) serves the public API on a free port; the internal ports are always free ones.
+    Port 0 (serving_config.port) serves the public API on a free port; the internal ports are always free
+    ones, on the loopback interface whatever host the public API listens on. Without an internal token file
+    the stack makes its own secret, handed to the services in their environment.
     """
 
     def __init__(self, config: PagedServeConfig) -> None:
         self.config = config
         self.processes: list[tuple[str, subprocess.Popen]] = []
         host = config.serving_config.host
-        self.addresses = {module: f"{host}:{free_port(host)}" for module in SERVICES}
+        self.addresses = {module: f"127.0.0.1:{free_port()}" for module in SERVICES}
         self.addresses["frontend"] = f"{host}:{config.serving_config.listen_port('frontend') or free_port(host)}"
+        self.env = dict(os.environ)
+        if config.serving_config.internal_token_file is None:
+            self.env[INTERNAL_TOKEN_ENV] = secrets.token_urlsafe(32)
+        self.security = Security.from_config(config.serving_config, self.env)
         self.address = self.addresses["frontend"]
         self.executor_address = self.addresses["executor_svc"]
         self.kvcache_address = self.addresses["kvcache_svc"]
@@ -52,11 +60,16 @@ class Stack:
 
     def service_argv(self, module: str) -> list[str]:
         """The flags that give a service this stack's configuration: the flags its own parser declares."""
+        host, port = self.addresses[module].rsplit(":", 1)
         serving = dataclasses.replace(
-            self.config.serving_config, port=int(self.addresses[module].rsplit(":", 1)[1]),
+            self.config.serving_config, host=host, port=int(port),
             executor=self.executor_address, kvcache=self.kvcache_address, scheduler=self.scheduler_address,
         )
         return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)
+
+    def channel(self, module: str):
+        """A channel to one of the services, with this stack's credentials (internal RPCs need its token)."""
+        return channel(self.addresses[module], self.security)
 
     def start(self) -> "Stack":
         try:
@@ -68,14 +81,14 @@ class Stack:
         return self
 
     def _spawn(self, module: str, address: str, args: list[str]) -> None:
-        process = subprocess.Popen([sys.executable, "-m", module, *args])
+        process = subprocess.Popen([sys.executable, "-m", module, *args], env=self.env)
         self.processes.append((module, process))
         deadline = time.monotonic() + self.config.serving_config.startup_timeout
         while True:
             if process.poll() is not None:
                 raise RuntimeError(f"{module} exited with status {process.returncode} while starting")
             try:
-                wait_until_serving(address, timeout=2.0)
+                wait_until_serving(address, timeout=2.0, security=self.security)
                 return
             except Exception:  # not listening yet
                 if time.monotonic() > deadline:
