@@ -168,6 +168,11 @@ def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_s
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     if not ids:
         raise ValidationError("prompt", "prompt tokenizes to no tokens")
+    if max(ids) >= vocab_size:
+        # A tokenizer larger than the model's embedding (a mismatched --tokenizer) would fail the whole step.
+        raise ValidationError(
+            "prompt", f"prompt tokenizes to id {max(ids)}, beyond the model's vocabulary ({vocab_size}): the "
+            "tokenizer does not match the model")
     return ids
 
 

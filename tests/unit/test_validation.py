@@ -175,3 +175,10 @@ def test_a_prompt_at_the_character_limit_is_tokenized(tok):
     ids, _ = validate_and_tokenize(GenerateInput(request_id="r", prompt="hi " * 10), tok, MAX_MODEL_LEN, VOCAB,
                                    max_prompt_chars=30)
     assert ids == tok.encode("hi " * 10, add_special_tokens=False)
+
+
+def test_a_prompt_that_tokenizes_beyond_the_models_vocabulary_is_refused(tok):
+    # The default tokenizer's ids run to 49151; a model of 160 ids cannot embed "Hello".
+    with pytest.raises(ValidationError, match="beyond the model's vocabulary") as info:
+        validate_and_tokenize(GenerateInput(request_id="r", prompt="Hello"), tok, MAX_MODEL_LEN, 160)
+    assert info.value.field == "prompt"
