@@ -132,3 +132,13 @@ def test_services_listen_on_the_loopback_by_default():
     from pagedserve.config import ServingConfig
 
     assert ServingConfig().host == "127.0.0.1"
+
+
+def test_compose_publishes_only_the_frontend_and_only_on_the_loopback():
+    from pathlib import Path
+
+    import yaml
+
+    compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())
+    published = {name: service.get("ports") for name, service in compose["services"].items() if service.get("ports")}
+    assert published == {"frontend": ["127.0.0.1:50051:50051"]}
