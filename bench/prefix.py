@@ -27,7 +27,6 @@ from bench.common import write_result  # noqa: E402
 from pagedserve.client import GenerateClient, build_request  # noqa: E402
 from pagedserve.config import PagedServeConfig  # noqa: E402
 from pagedserve.entrypoints.launcher import Stack  # noqa: E402
-from pagedserve.service import channel  # noqa: E402
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc  # noqa: E402
 from tests.support.local_redis import LocalRedis  # noqa: E402
 
@@ -43,8 +42,8 @@ def ttft(client: GenerateClient, prompt: list[int], salt: str, output_len: int) 
     return first
 
 
-def kv_stats(address: str) -> kvcache_pb2.KVCacheStats:
-    with channel(address) as ch:
+def kv_stats(stack) -> kvcache_pb2.KVCacheStats:
+    with stack.channel("kvcache_svc") as ch:
         return kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.KVCacheStatsRequest())
 
 
@@ -76,16 +75,16 @@ def main() -> None:
                                               offload_all=True)
         with Stack(config) as stack, GenerateClient(stack.address) as client:
             ttft(client, [1, 2, 3, 4], f"{salt}-warmup", 1)
-            before = kv_stats(stack.kvcache_address)
+            before = kv_stats(stack)
             for i in range(args.num_prefixes):
                 cold.append(ttft(client, prompt(i), salt, args.output_len))
                 warm.append(ttft(client, prompt(i), salt, args.output_len))
-            pool = kv_stats(stack.kvcache_address)
+            pool = kv_stats(stack)
         with Stack(config) as stack, GenerateClient(stack.address) as client:
             ttft(client, [1, 2, 3, 4], f"{salt}-warmup", 1)
             for i in range(args.num_prefixes):
                 from_redis.append(ttft(client, prompt(i), salt, args.output_len))
-            tier = kv_stats(stack.kvcache_address)
+            tier = kv_stats(stack)
         redis_keys = len(redis_server.client.keys("pagedserve:kv:v1:*"))
 
     warm_ratio = statistics.median(warm) / statistics.median(cold)

@@ -49,7 +49,6 @@ def main() -> None:
     from pagedserve.client import GenerateClient, build_request
     from pagedserve.config import PagedServeConfig
     from pagedserve.entrypoints.launcher import Stack
-    from pagedserve.service import channel
     from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 
     config = PagedServeConfig.from_kwargs(model=args.model, device="cpu", port=0, log_level="WARNING",
@@ -100,7 +99,7 @@ def main() -> None:
             thread.join(timeout=args.drain)
         rss_end = {name: rss_bytes(stack.processes[name].pid) for name in SERVICES}
         restarted = [name for name in SERVICES if stack.processes[name].pid != pids[name]]
-        with channel(stack.kvcache_address) as ch:
+        with stack.channel("kvcache_svc") as ch:
             kv = kvcache_pb2_grpc.KVCacheStub(ch)
             deadline = time.monotonic() + 30
             while True:  # the last finished requests' blocks come back with the scheduler's next step

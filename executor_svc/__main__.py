@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServingConfig, parse
-from pagedserve.service import Service, configure_logging
+from pagedserve.service import Security, Service, configure_logging
 from pagedserve.v1 import executor_pb2_grpc
 
 # What this service takes: the launcher passes these, and only these, as flags.
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level"),
+    ServingConfig: ("host", "port", "log_level", "tls_cert", "tls_key", "tls_ca", "internal_token_file"),
     ModelConfig: ("model", "device", "dtype", "max_model_len", "seed", "attention_backend", "enforce_eager",
                   "cuda_graph_batch_sizes"),
     CacheConfig: ("block_size", "kv_cache_memory", "kv_cache_fraction", "offload", "offload_host_bytes",
-                  "redis_url", "redis_ttl"),
+                  "redis_url", "redis_ttl", "redis_namespace"),
     SchedulerConfig: ("max_num_seqs",),
 }
 
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     from executor_svc.server import ExecutorServicer
 
     runner = build_model_runner(configs[ModelConfig], configs[CacheConfig], configs[SchedulerConfig])
-    service = Service("executor_svc", serving.host, serving.listen_port("executor_svc"), max_workers=4)
+    service = Service("executor_svc", serving.host, serving.listen_port("executor_svc"), max_workers=4,
+                      security=Security.from_config(serving))
     servicer = ExecutorServicer(runner)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
     service.serve_until_signalled(main_loop=servicer.worker.run)

@@ -8,5 +8,5 @@ from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
 def build_model_runner(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> ModelRunner:
     tier = make_tier(cache.offload_kind, host_bytes=cache.offload_host_bytes, redis_url=cache.redis_url,
-                     redis_ttl=cache.redis_ttl)
+                     redis_ttl=cache.redis_ttl, redis_namespace=cache.redis_namespace)
     return ModelRunner(model, cache, scheduler, offload_tier=tier)

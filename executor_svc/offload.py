@@ -52,12 +52,14 @@ class HostTier:
 class RedisTier:
     name = "redis"
 
-    def __init__(self, url: str, ttl_seconds: int | None = None, timeout_seconds: float = 2.0) -> None:
+    def __init__(self, url: str, ttl_seconds: int | None = None, timeout_seconds: float = 2.0,
+                 namespace: str = "pagedserve") -> None:
         import redis
 
         self.url = url
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
         self.ttl_seconds = ttl_seconds
+        self.namespace = namespace
         self.errors = 0
         self.disabled = False
 
@@ -73,7 +75,7 @@ class RedisTier:
         try:
             pipe = self.client.pipeline(transaction=False)
             for block_hash, value in items:
-                pipe.set(redis_key(block_hash), value, ex=self.ttl_seconds)
+                pipe.set(redis_key(self.namespace, block_hash), value, ex=self.ttl_seconds)
             pipe.execute()
         except Exception as error:  # any Redis failure: go on without the tier
             self._fail("write", error)
@@ -82,14 +84,14 @@ class RedisTier:
         if self.disabled or not block_hashes:
             return [None] * len(block_hashes)
         try:
-            return list(self.client.mget([redis_key(h) for h in block_hashes]))
+            return list(self.client.mget([redis_key(self.namespace, h) for h in block_hashes]))
         except Exception as error:  # any Redis failure: go on without the tier
             self._fail("read", error)
             return [None] * len(block_hashes)
 
 
 def make_tier(kind: str, *, host_bytes: int = 1 << 30, redis_url: str | None = None,
-              redis_ttl: int | None = None) -> HostTier | RedisTier | None:
+              redis_ttl: int | None = None, redis_namespace: str = "pagedserve") -> HostTier | RedisTier | None:
     if kind == "none":
         return None
     if kind == "host":
@@ -97,5 +99,5 @@ def make_tier(kind: str, *, host_bytes: int = 1 << 30, redis_url: str | None = N
     if kind == "redis":
         if not redis_url:
             raise ValueError("offload 'redis' needs redis_url")
-        return RedisTier(redis_url, redis_ttl)
+        return RedisTier(redis_url, redis_ttl, namespace=redis_namespace)
     raise ValueError(f"offload must be 'none', 'host' or 'redis', got {kind!r}")

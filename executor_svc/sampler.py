@@ -122,8 +122,11 @@ def filter_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.any_top_k:
             sorted_logits.masked_fill_(sorted_logits < _top_k_threshold(sorted_logits, batch.top_k), neg_inf)
         probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # 0 for the top token, so it is always kept
+        mass_before = probs.cumsum(dim=-1) - probs
         drop = mass_before >= batch.top_p.unsqueeze(1)
+        # The top token always stays: a top_p that rounds to 0 in float32 (1e-46) would otherwise drop every
+        # token, and a row of -inf samples token 0.
+        drop[:, 0] = False
         # Rounding can push the tail's cumulative sum to 1, which must not filter rows with top_p = 1.
         drop &= (batch.top_p < 1.0).unsqueeze(1)
         sorted_logits.masked_fill_(drop, neg_inf)

@@ -1,12 +1,14 @@
 """python -m frontend --port 50051 --scheduler 127.0.0.1:50052"""
 from __future__ import annotations
 
-from pagedserve.config import ModelConfig, ServingConfig, parse
-from pagedserve.service import Service, channel, configure_logging
+from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, parse
+from pagedserve.service import Security, Service, channel, configure_logging
 from pagedserve.v1 import generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "scheduler", "startup_timeout", "max_streams"),
+    ServingConfig: ("host", "port", "log_level", "scheduler", "startup_timeout", "max_streams", "max_message_bytes",
+                    "max_prompt_chars", "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file",
+                    "internal_token_file"),
     ModelConfig: ("tokenizer",),
 }
 
@@ -23,14 +25,18 @@ def main(argv: list[str] | None = None) -> None:
 
     from frontend.server import GenerationServicer, SchedulerLink
 
-    scheduler_channel = channel(serving.scheduler)
+    security = Security.from_config(serving)
+    scheduler_channel = channel(serving.scheduler, security)
     scheduler = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
     info = scheduler.GetInfo(scheduler_pb2.SchedulerInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout)
     tokenizer = AutoTokenizer.from_pretrained(configs[ModelConfig].tokenizer or info.model_dir)
     link = SchedulerLink(scheduler)
     service = Service("frontend", serving.host, serving.listen_port("frontend"), max_workers=serving.max_streams,
+                      security=security, public=True, max_message_bytes=serving.max_message_bytes,
                       dependencies={"scheduler_svc": serving.scheduler})
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(link, tokenizer, info), service.server)
+    max_prompt_chars = serving.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * info.max_model_len
+    servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars)
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
     service.serve_until_signalled(on_stop=link.close)
     scheduler_channel.close()
 

@@ -181,10 +181,16 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, link: SchedulerLink, tokenizer, info: scheduler_pb2.SchedulerInfo) -> None:
+    def __init__(self, link: SchedulerLink, tokenizer, info: scheduler_pb2.SchedulerInfo,
+                 max_prompt_chars: int) -> None:
         self.link = link
         self.tokenizer = tokenizer
         self.info = info
+        self.max_prompt_chars = max_prompt_chars
+        # Client request ids in flight here. The scheduler sees a fresh id per submission instead: it frees
+        # an id a step after the request ends, and a client may reuse its own the moment its stream ends.
+        self.in_flight: set[str] = set()
+        self.in_flight_lock = threading.Lock()
 
     def GetModelInfo(self, request, context):
         return generate_pb2.ModelInfo(
@@ -195,27 +201,36 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         inp = _generate_input(request)
         try:
             prompt_ids, params = validate_and_tokenize(
-                inp, self.tokenizer, self.info.max_model_len, self.info.vocab_size
+                inp, self.tokenizer, self.info.max_model_len, self.info.vocab_size,
+                max_prompt_chars=self.max_prompt_chars,
             )
         except ValidationError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = inp.request_id
-        try:
-            inbox = self.link.submit(request_id, prompt_ids, params, inp.cache_salt)
-        except KeyError:
+        with self.in_flight_lock:
+            duplicate = request_id in self.in_flight
+            self.in_flight.add(request_id)
+        if duplicate:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
-        except ConnectionError as error:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        # Whatever ends the call (a client cancel, a deadline, the end of the stream), the scheduler is told;
-        # aborting a finished request is a no-op there.
-        context.add_callback(lambda: self.link.abort(request_id))
+        internal_id = uuid.uuid4().hex
         try:
-            state = RequestOutputState(self.tokenizer, prompt_ids, params)
-            yield from self._stream(request_id, state, inbox, context)
+            try:
+                inbox = self.link.submit(internal_id, prompt_ids, params, inp.cache_salt)
+            except ConnectionError as error:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            # Whatever ends the call (a client cancel, a deadline, the end of the stream), the scheduler is
+            # told; aborting a finished request is a no-op there.
+            context.add_callback(lambda: self.link.abort(internal_id))
+            try:
+                state = RequestOutputState(self.tokenizer, prompt_ids, params)
+                yield from self._stream(request_id, internal_id, state, inbox, context)
+            finally:
+                self.link.release(internal_id)
         finally:
-            self.link.release(request_id)
+            with self.in_flight_lock:
+                self.in_flight.discard(request_id)
 
-    def _stream(self, request_id, state: RequestOutputState, inbox, context):
+    def _stream(self, request_id, internal_id, state: RequestOutputState, inbox, context):
         while True:
             try:
                 output = inbox.get(timeout=POLL_S)
@@ -225,11 +240,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 continue
             if output is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down")
+            if output.finish_reason == common_pb2.FINISH_REASON_OVERLOADED:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, output.error or "the server is overloaded")
             if output.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 context.abort(grpc.StatusCode.INTERNAL, output.error or "request failed")
             delta = state.update(list(output.new_token_ids), FINISH_REASON_NAMES[output.finish_reason])
             if delta.abort:
-                self.link.abort(request_id)
+                self.link.abort(internal_id)
             response = generate_pb2.GenerateResponse(
                 request_id=request_id, token_ids=output.new_token_ids, text=delta.text, logprobs=output.logprobs,
             )

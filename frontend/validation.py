@@ -53,13 +53,17 @@ def validate_and_tokenize(
     max_model_len: int,
     vocab_size: int,
     add_special_tokens: bool = False,
+    max_prompt_chars: int | None = None,
 ) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids and the request's SamplingParams, or a ValidationError.
 
     ``add_special_tokens`` applies to plain-text prompts; a chat template adds its own markers.
+    ``max_prompt_chars`` bounds a text prompt (or the messages' contents together) before it is tokenized,
+    and prompt_token_ids by the context length, so that an oversized prompt costs nothing.
     """
     _check_request_id(inp.request_id)
     _check_frontend_fields(inp)
+    _check_prompt_size(inp, max_prompt_chars, max_model_len)
     # Cheap checks first: a bad temperature should not cost a chat template and a tokenization.
     params = _sampling_params(inp, vocab_size)
     prompt_ids = _prompt_token_ids(inp, tokenizer, vocab_size, add_special_tokens)
@@ -92,6 +96,21 @@ def _check_frontend_fields(inp: GenerateInput) -> None:
         raise ValidationError("stop_token_ids", "stop_token_ids must be a list of token ids")
     if inp.cache_salt is not None and (not isinstance(inp.cache_salt, str) or not inp.cache_salt):
         raise ValidationError("cache_salt", "cache_salt must be a non-empty string when set")
+
+
+def _check_prompt_size(inp: GenerateInput, max_prompt_chars: int | None, max_model_len: int) -> None:
+    if max_prompt_chars is not None and isinstance(inp.prompt, str) and len(inp.prompt) > max_prompt_chars:
+        raise ValidationError(
+            "prompt", f"prompt is {len(inp.prompt)} characters, at most {max_prompt_chars} are accepted")
+    if max_prompt_chars is not None and isinstance(inp.messages, list):
+        chars = sum(len(m["content"]) for m in inp.messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+        if chars > max_prompt_chars:
+            raise ValidationError(
+                "messages", f"messages hold {chars} characters, at most {max_prompt_chars} are accepted")
+    if isinstance(inp.prompt_token_ids, list) and len(inp.prompt_token_ids) >= max_model_len:
+        raise ValidationError(
+            "prompt", f"prompt is {len(inp.prompt_token_ids)} tokens, the context holds {max_model_len} "
+            "and generation needs at least one more")
 
 
 _LEADING_FIELD = re.compile(r"[a-z_]+")
@@ -149,6 +168,11 @@ def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_s
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     if not ids:
         raise ValidationError("prompt", "prompt tokenizes to no tokens")
+    if max(ids) >= vocab_size:
+        # A tokenizer larger than the model's embedding (a mismatched --tokenizer) would fail the whole step.
+        raise ValidationError(
+            "prompt", f"prompt tokenizes to id {max(ids)}, beyond the model's vocabulary ({vocab_size}): the "
+            "tokenizer does not match the model")
     return ids
 
 

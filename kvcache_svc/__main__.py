@@ -10,16 +10,15 @@ from kvcache_svc.build import build_block_manager
 from kvcache_svc.durable_state import DurableState
 from kvcache_svc.server import KVCacheServicer
 from pagedserve.convert import block_step_request_from_proto
-from pagedserve.kv_keys import KEY_NAMESPACE
 from pagedserve.config import CacheConfig, ServingConfig, parse
-from pagedserve.service import Service, channel, configure_logging
+from pagedserve.service import Security, Service, channel, configure_logging
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 logger = logging.getLogger("kvcache_svc")
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "executor", "startup_timeout"),
-    CacheConfig: ("enable_prefix_caching", "offload_all", "redis_url"),
+    ServingConfig: ("host", "port", "log_level", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca", "internal_token_file"),
+    CacheConfig: ("enable_prefix_caching", "offload_all", "redis_url", "redis_namespace"),
 }
 
 
@@ -31,13 +30,14 @@ def main(argv: list[str] | None = None) -> None:
     configs = parse_args(argv)
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
-    with channel(serving.executor) as ch:
+    security = Security.from_config(serving)
+    with channel(serving.executor, security) as ch:
         info = executor_pb2_grpc.ExecutorStub(ch).GetInfo(
             executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout
         )
     manager = build_block_manager(configs[CacheConfig], info)
     durable = durable_state(configs[CacheConfig], manager)
-    service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"),
+    service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"), security=security,
                       dependencies={"executor_svc": serving.executor})
     kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(manager, durable), service.server)
     logger.info("block pool: %d blocks of %d tokens", info.num_blocks, info.block_size)
@@ -50,7 +50,7 @@ def durable_state(cache: CacheConfig, manager) -> DurableState | None:
         return None
     import redis
 
-    durable = DurableState(redis.Redis.from_url(cache.redis_url, socket_timeout=2.0), KEY_NAMESPACE)
+    durable = DurableState(redis.Redis.from_url(cache.redis_url, socket_timeout=2.0), cache.redis_namespace)
     replayed = durable.restore(manager, lambda data: block_step_request_from_proto(
         kvcache_pb2.BlockStepRequest.FromString(data)))
     if replayed >= 0:

@@ -12,6 +12,7 @@ def build_block_manager(cache: CacheConfig, pool) -> KVCacheManager:
     return KVCacheManager(
         pool.num_blocks, pool.block_size, enable_prefix_caching=cache.enable_prefix_caching,
         model_id=pool.model_id,
-        tier=make_tier_index(pool.offload, pool.offload_capacity_blocks, pool.offload_redis_url),
+        tier=make_tier_index(pool.offload, pool.offload_capacity_blocks, pool.offload_redis_url,
+                             cache.redis_namespace),
         write_through=cache.offload_all, block_bytes=pool.block_bytes,
     )

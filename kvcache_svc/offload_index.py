@@ -53,9 +53,10 @@ class RedisTierIndex(LocalTierIndex):
     """Asks Redis itself about hashes this process has not seen saved, so that blocks written before a
     restart, or by another executor, are found. A Redis that fails disables the lookups, with a warning."""
 
-    def __init__(self, client, capacity_blocks: int) -> None:
+    def __init__(self, client, capacity_blocks: int, namespace: str = "pagedserve") -> None:
         super().__init__(capacity_blocks)
         self.client = client
+        self.namespace = namespace
         self.errors = 0
         self.disabled = False
 
@@ -70,7 +71,7 @@ class RedisTierIndex(LocalTierIndex):
         try:
             pipe = self.client.pipeline(transaction=False)
             for block_hash in rest:
-                pipe.exists(redis_key(block_hash))
+                pipe.exists(redis_key(self.namespace, block_hash))
             present = pipe.execute()
         except Exception as error:  # any Redis failure: go on without the tier
             self.errors += 1
@@ -93,14 +94,15 @@ class RedisTierIndex(LocalTierIndex):
 REDIS_INDEX_BLOCKS = 1 << 20
 
 
-def make_tier_index(kind: str, capacity_blocks: int = 0, redis_url: str = "") -> LocalTierIndex | None:
+def make_tier_index(kind: str, capacity_blocks: int = 0, redis_url: str = "",
+                    redis_namespace: str = "pagedserve") -> LocalTierIndex | None:
     """The index mirroring an executor's tier: its host capacity in blocks, or the same Redis."""
     if kind == "host":
         return LocalTierIndex(capacity_blocks)
     if kind == "redis":
         import redis
 
-        return RedisTierIndex(redis.Redis.from_url(redis_url, socket_timeout=2.0), REDIS_INDEX_BLOCKS)
+        return RedisTierIndex(redis.Redis.from_url(redis_url, socket_timeout=2.0), REDIS_INDEX_BLOCKS, redis_namespace)
     if kind == "none":
         return None
     raise ValueError(f"offload must be 'none', 'host' or 'redis', got {kind!r}")

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.convert import FINISH_REASON_NAMES
-from pagedserve.service import channel
+from pagedserve.service import client_channel
 from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 SAMPLING_FIELDS = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
@@ -43,8 +43,12 @@ def build_request(prompt=None, *, prompt_token_ids=None, messages=None, request_
 
 
 class GenerateClient:
-    def __init__(self, address: str) -> None:
-        self.channel = channel(address)
+    """api_key: sent as `authorization: Bearer`; tls_ca: verify a TLS server with this CA file; tls_cert and
+    tls_key: the client certificate for mutual TLS."""
+
+    def __init__(self, address: str, *, api_key: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        self.channel = client_channel(address, api_key=api_key, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.generation = generate_pb2_grpc.GenerationStub(self.channel)
 
     def stream(self, request: generate_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[generate_pb2.GenerateResponse]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -16,6 +17,9 @@ from pathlib import Path
 
 # The KV cache a CPU executor takes without kv_cache_memory at most (vLLM's CPU build default).
 CPU_KV_CACHE_CAP = 4 << 30
+# The default prompt limit in characters per token of the context: generous for any tokenizer's longest
+# tokens, and still refuses a prompt of megabytes before it costs seconds of tokenizing.
+PROMPT_CHARS_PER_TOKEN = 16
 # Where each service listens unless told (--port); pagedserve up's public API is the frontend's.
 SERVICE_PORTS = {"frontend": 50051, "scheduler_svc": 50052, "kvcache_svc": 50053, "executor_svc": 50054}
 # `pagedserve up` restarts a service that dies: the backoff between restarts stops growing here, and a run
@@ -133,7 +137,9 @@ class CacheConfig(_Config):
     offload: str | None = option(None, "where evicted prefix blocks go (default: `host`, or `redis` with "
                                        "`redis_url`)", choices=("host", "redis", "none"))
     offload_host_bytes: int = option(1 << 30, "bytes of host memory for the `host` offload tier", min=1)
-    redis_url: str | None = option(None, "`redis://host:port/db` for the offload tier")
+    redis_url: str | None = option(None, "`redis://[user:password@]host:port/db` for the offload tier (an ACL "
+                                         "user and password go in the URL; `rediss://` for TLS)")
+    redis_namespace: str = option("pagedserve", "prefix of every Redis key: one per deployment sharing a Redis")
     redis_ttl: int | None = option(None, "seconds an offloaded block lives in Redis (default: until evicted)",
                                    min=1)
     offload_all: bool = option(False, "copy every block to the offload tier as it fills, not only on eviction")
@@ -142,6 +148,9 @@ class CacheConfig(_Config):
         super().__post_init__()
         if self.offload == "redis" and not self.redis_url:
             raise ValueError("offload 'redis' needs redis_url")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.redis_namespace):
+            raise ValueError("redis_namespace must be 1 to 64 letters, digits, '_', '.' or '-', "
+                             f"got {self.redis_namespace!r}")
 
     @property
     def offload_kind(self) -> str:
@@ -156,6 +165,8 @@ class SchedulerConfig(_Config):
                                min=1)
     max_num_batched_tokens: int = option(2048, "token budget of one step (prefill chunks + decodes); without "
                                                "chunked prefill at least the context length", min=1)
+    max_waiting: int = option(1024, "requests waiting for admission; beyond it a new request is refused at "
+                                    "once (RESOURCE_EXHAUSTED)", min=1)
     enable_chunked_prefill: bool = option(True, "split a long prompt across steps so running decodes keep "
                                                 "their pace")
     # Facts, not options: none until build_scheduler fills them in from what the executor reports.
@@ -195,6 +206,36 @@ class ServingConfig(_Config):
     max_restarts: int = option(5, "`pagedserve up`: rapid failures of one service in a row (each within "
                                   f"{RESTART_STABLE_S:g} s of its start) after which it gives up and stops "
                                   "everything", min=0)
+    max_message_bytes: int = option(4 << 20, "largest request or response on the public port, in bytes (the "
+                                              "internal ports take a step of the longest context)",
+                                    min=64 << 10, max=256 << 20)
+    max_prompt_chars: int | None = option(
+        None, "longest prompt in characters (chat messages counted together), refused before tokenizing "
+              f"(default: {PROMPT_CHARS_PER_TOKEN} per token of the context length)", min=1)
+    tls_cert: str | None = option(None, "PEM certificate (chain) every server presents; with it every port "
+                                        "serves TLS only")
+    tls_key: str | None = option(None, "PEM private key of `tls_cert`")
+    tls_ca: str | None = option(None, "PEM CA of the services' certificates: channels between services verify "
+                                      "servers with it and present `tls_cert`, internal ports require a client "
+                                      "certificate it signed (mutual TLS)")
+    tls_client_ca: str | None = option(None, "PEM CA of client certificates: with it the public port requires "
+                                             "one (mutual TLS)")
+    api_key_file: str | None = option(None, "file of API keys, one a line: the public API then requires "
+                                            "`authorization: Bearer <key>` (also: `PAGEDSERVE_API_KEY`)")
+    internal_token_file: str | None = option(
+        None, "file holding the shared secret that internal RPCs must carry (default: `PAGEDSERVE_INTERNAL_TOKEN`"
+              "; `pagedserve up` makes one per stack)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_cert is None and (self.tls_ca or self.tls_client_ca):
+            raise ValueError("tls_ca and tls_client_ca need tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file", "internal_token_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name} must name a readable file, got {path!r}")
 
     def listen_port(self, service: str) -> int:
         return SERVICE_PORTS[service] if self.port is None else self.port

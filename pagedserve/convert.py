@@ -24,6 +24,7 @@ FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
+    "overloaded": common_pb2.FINISH_REASON_OVERLOADED,
 }
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 

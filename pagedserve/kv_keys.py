@@ -2,10 +2,8 @@
 them up) and the executor (which reads and writes them), and the block manager's own state."""
 from __future__ import annotations
 
-KEY_NAMESPACE = "pagedserve"
-REDIS_KEY_PREFIX = f"{KEY_NAMESPACE}:kv:v1:"
 
-
-def redis_key(block_hash: bytes) -> str:
-    """One key per block; the hash already names the model, dtype and block size (its chain's root)."""
-    return REDIS_KEY_PREFIX + block_hash.hex()
+def redis_key(namespace: str, block_hash: bytes) -> str:
+    """One key per block under the deployment's namespace (CacheConfig.redis_namespace), so deployments that
+    share a Redis never read each other's blocks; the hash already names the model, dtype and block size."""
+    return f"{namespace}:kv:v1:{block_hash.hex()}"

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 # Every stop string is searched for in every text delta, so their number is bounded.
 MAX_STOP_STRINGS = 16
+# Below this temperature sampling is greedy, as in vLLM: dividing logits by a temperature of 1e-38 would
+# overflow them to infinities, whose softmax is NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -78,7 +81,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _check_number(name: str, value: object) -> None:

@@ -1,38 +1,152 @@
-"""What every gRPC service process shares: channels, a server with the standard health service, and
-serving until SIGTERM or SIGINT."""
+"""What every gRPC service process shares: channels, a server with the standard health service, transport
+security (TLS, mutual TLS), the internal shared secret, public API keys, and serving until SIGTERM or SIGINT."""
 from __future__ import annotations
 
+import dataclasses
+import hmac
 import logging
+import os
 import signal
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-# Prompts of a long context and big batches make messages larger than gRPC's 4 MiB default.
-MAX_MESSAGE_BYTES = 256 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # A peer that restarts is found again within a second (gRPC's own backoff grows to two minutes).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+# Between services a step of a long context and a big batch is larger than gRPC's 4 MiB default. The
+# public port has its own, smaller limit (ServingConfig.max_message_bytes).
+INTERNAL_MAX_MESSAGE_BYTES = 256 << 20
+# The internal secret travels in this metadata key; `pagedserve up` hands it to its services in this
+# variable, never on the command line (which `ps` shows to every local user).
+TOKEN_METADATA_KEY = "x-pagedserve-token"
+INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+# Health stays open: load balancers, compose and the launcher probe it without credentials.
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # Each dependency's health is checked this often, each check given this long to answer.
 HEALTH_POLL_S = 0.5
 HEALTH_TIMEOUT_S = 0.5
 
 
-def channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def _options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # A peer that restarts is found again within a second (gRPC's own backoff grows to two minutes).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
 
 
-def wait_until_serving(address: str, timeout: float) -> None:
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """A process's credentials. cert/key: the certificate every server presents (and internal channels
+    present as client certificate); ca: the CA of the services' certificates (with it, channels verify
+    servers against it and internal servers require client certificates it signed); client_ca: on the
+    public port, require client certificates signed by it (or by ca); internal_token: the shared secret of
+    internal RPCs; api_keys: the keys the public API accepts (none: open)."""
+
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+    client_ca: bytes | None = None
+    internal_token: str | None = None
+    api_keys: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, serving, environ=os.environ) -> "Security":
+        """From a ServingConfig; the internal token from its file or else the environment, API keys (one a
+        line) from their file and the environment."""
+        token = (Path(serving.internal_token_file).read_text().strip() if serving.internal_token_file
+                 else environ.get(INTERNAL_TOKEN_ENV) or None)
+        keys = Path(serving.api_key_file).read_text().split() if serving.api_key_file else []
+        if environ.get(API_KEY_ENV):
+            keys.append(environ[API_KEY_ENV])
+        return cls(cert=_read(serving.tls_cert), key=_read(serving.tls_key), ca=_read(serving.tls_ca),
+                   client_ca=_read(serving.tls_client_ca), internal_token=token, api_keys=tuple(keys))
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        if self.cert is None:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+    def server_credentials(self, public: bool) -> grpc.ServerCredentials | None:
+        if self.cert is None:
+            return None
+        if not public:
+            roots = self.ca
+        elif self.client_ca:
+            # The public port also takes the services' own certificates, so that the launcher can probe it.
+            roots = b"\n".join(c for c in (self.client_ca, self.ca) if c)
+        else:
+            roots = None
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=roots,
+                                           require_client_auth=roots is not None)
+
+
+
+def channel(address: str, security: Security | None = None,
+            max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """An internal channel: TLS when the security has a certificate, the internal token on every call."""
+    security = security or Security()
+    credentials = security.channel_credentials()
+    options = _options(max_message_bytes)
+    ch = (grpc.secure_channel(address, credentials, options=options) if credentials
+          else grpc.insecure_channel(address, options=options))
+    if security.internal_token:
+        ch = grpc.intercept_channel(ch, _AddMetadata([(TOKEN_METADATA_KEY, security.internal_token)]))
+    return ch
+
+
+def client_channel(address: str, *, api_key: str | None = None, tls_ca: str | None = None,
+                   tls_cert: str | None = None, tls_key: str | None = None,
+                   max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """A channel to the public API: TLS with a CA file (plus a client certificate for mutual TLS), and the
+    API key as `authorization: Bearer`."""
+    options = _options(max_message_bytes)
+    if tls_ca or tls_cert:
+        credentials = grpc.ssl_channel_credentials(root_certificates=_read(tls_ca), private_key=_read(tls_key),
+                                                   certificate_chain=_read(tls_cert))
+        ch = grpc.secure_channel(address, credentials, options=options)
+    else:
+        ch = grpc.insecure_channel(address, options=options)
+    if api_key:
+        ch = grpc.intercept_channel(ch, _AddMetadata([("authorization", f"Bearer {api_key}")]))
+    return ch
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        self.pairs = pairs
+
+    def _details(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), *self.pairs])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+def wait_until_serving(address: str, timeout: float, security: Security | None = None) -> None:
     """Blocks until the server at address answers its health check with SERVING."""
-    with channel(address) as ch:
+    with channel(address, security) as ch:
         grpc.channel_ready_future(ch).result(timeout=timeout)
         health_check = health_pb2_grpc.HealthStub(ch)
         status = health_check.Check(health_pb2.HealthCheckRequest(), timeout=timeout, wait_for_ready=True).status
@@ -45,9 +159,9 @@ class DependencyWatcher:
     them are SERVING. A dependency that is down, unreachable or NOT_SERVING itself (one of its own is down)
     counts as down, so the state travels up the chain to the frontend."""
 
-    def __init__(self, dependencies: dict[str, str], on_change) -> None:
+    def __init__(self, dependencies: dict[str, str], on_change, security: Security) -> None:
         """dependencies: {name: address}; on_change(healthy: bool, down: list[str]) after every change."""
-        self.channels = {name: channel(address) for name, address in dependencies.items()}
+        self.channels = {name: channel(address, security) for name, address in dependencies.items()}
         self.stubs = {name: health_pb2_grpc.HealthStub(ch) for name, ch in self.channels.items()}
         self.on_change = on_change
         self.down: list[str] | None = None
@@ -84,21 +198,121 @@ class DependencyWatcher:
             ch.close()
 
 
+# ---------------------------------------------------------------------------------------------- the gate
+class _Undecodable:
+    """What the request deserializer hands on instead of raising: gRPC would answer INTERNAL and log a
+    traceback per request."""
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape that answers code without decoding the request."""
+    def refuse(request, context):
+        context.abort(code, message)
+
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse, response_serializer=handler.response_serializer)
+
+
+def _decode_quietly(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """A unary-request handler whose undecodable request (not a message of its type, or a string field that
+    is not valid UTF-8) gets INVALID_ARGUMENT. Streaming requests are internal only and keep gRPC's answer."""
+    if handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    deserialize = handler.request_deserializer
+
+    def safe_deserialize(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception:  # protobuf's DecodeError; what it says does not name the field either
+            return _Undecodable()
+
+    behavior_name = "unary_stream" if handler.response_streaming else "unary_unary"
+    behavior = getattr(handler, behavior_name)
+
+    def checked(request, context):
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{method}: the request is not a valid protobuf message of its type (a malformed "
+                          "message, or a string field such as prompt or stop that is not valid UTF-8)")
+        return behavior(request, context)
+
+    return handler._replace(request_deserializer=safe_deserialize, **{behavior_name: checked})
+
+
+def _bearer_ok(metadata: dict[str, str], keys: tuple[str, ...]) -> bool:
+    given = metadata.get("authorization", "")
+    scheme, _, key = given.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # Compare with every key, in constant time each, so the timing says nothing about which one is near.
+    found = False
+    for expected in keys:
+        found |= hmac.compare_digest(key.encode(), expected.encode())
+    return found
+
+
+class _Gate(grpc.ServerInterceptor):
+    """Every call but health: the internal token (internal servers) or an API key (the public one), then
+    quiet decoding."""
+
+    def __init__(self, security: Security, public: bool) -> None:
+        self.security = security
+        self.public = public
+
+    def _refused(self, metadata: dict[str, str]) -> str | None:
+        if self.public:
+            if self.security.api_keys and not _bearer_ok(metadata, self.security.api_keys):
+                return "a valid API key is required (authorization: Bearer <key>)"
+        elif self.security.internal_token:
+            given = metadata.get(TOKEN_METADATA_KEY, "")
+            if not hmac.compare_digest(given.encode(), self.security.internal_token.encode()):
+                return "internal RPCs need this deployment's internal token"
+        return None
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        refused = self._refused(dict(details.invocation_metadata or ()))
+        if refused:
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, refused)
+        return _decode_quietly(handler, details.method)
+
+
 class Service:
     """A gRPC server with the health service: SERVING once start() has returned, and while every one of
-    its dependencies ({name: address}) is SERVING."""
+    its dependencies ({name: address}) is SERVING.
 
-    def __init__(self, name: str, host: str, port: int, max_workers: int = 16,
+    public: the client-facing port (API keys, client CA, the public message size limit); otherwise an
+    internal one (the internal token, mutual TLS with the services' CA)."""
+
+    def __init__(self, name: str, host: str, port: int, max_workers: int = 16, *,
+                 security: Security | None = None, public: bool = False,
+                 max_message_bytes: int = INTERNAL_MAX_MESSAGE_BYTES,
                  dependencies: dict[str, str] | None = None) -> None:
         self.name = name
-        self.watcher = DependencyWatcher(dependencies, self._dependencies_changed) if dependencies else None
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+        security = security or Security()
+        self.watcher = (DependencyWatcher(dependencies, self._dependencies_changed, security)
+                        if dependencies else None)
+        # gRPC turns SO_REUSEPORT on by default: a second server could then share a port already in use.
+        options = [*_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                                  interceptors=[_Gate(security, public)])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        credentials = security.server_credentials(public)
+        try:
+            self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials
+                         else self.server.add_insecure_port(f"{host}:{port}"))
+        except RuntimeError:  # recent gRPC raises where older ones returned 0
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"{name}: cannot listen on {host}:{port}")
+            raise RuntimeError(f"{name}: cannot listen on {host}:{port} (in use, or not an address of this host)")
         self.address = f"{host}:{self.port}"
+        self.tls = credentials is not None
 
     def start(self) -> None:
         self.server.start()
@@ -106,7 +320,7 @@ class Service:
             self.watcher.start()
         else:
             self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        logger.info("%s serving on %s", self.name, self.address)
+        logger.info("%s serving on %s%s", self.name, self.address, " (TLS)" if self.tls else "")
 
     def _dependencies_changed(self, healthy: bool, down: list[str]) -> None:
         if healthy:

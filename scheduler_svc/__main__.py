@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pagedserve.config import SchedulerConfig, ServingConfig, parse
-from pagedserve.service import Service, channel, configure_logging
+from pagedserve.service import Security, Service, channel, configure_logging
 from pagedserve.v1 import (
     executor_pb2,
     executor_pb2_grpc,
@@ -15,7 +15,7 @@ from scheduler_svc.build import build_scheduler
 from scheduler_svc.server import RemoteBackends, SchedulerServicer
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "kvcache", "executor", "startup_timeout"),
+    ServingConfig: ("host", "port", "log_level", "kvcache", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca", "internal_token_file"),
     SchedulerConfig: None,
 }
 
@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     configs = parse_args(argv)
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
-    executor_channel, kvcache_channel = channel(serving.executor), channel(serving.kvcache)
+    security = Security.from_config(serving)
+    executor_channel, kvcache_channel = channel(serving.executor, security), channel(serving.kvcache, security)
     executor = executor_pb2_grpc.ExecutorStub(executor_channel)
     kvcache = kvcache_pb2_grpc.KVCacheStub(kvcache_channel)
     wait = dict(wait_for_ready=True, timeout=serving.startup_timeout)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                                     max_model_len=info.max_model_len, vocab_size=info.vocab_size),
     )
     service = Service("scheduler_svc", serving.host, serving.listen_port("scheduler_svc"), max_workers=64,
+                      security=security,
                       dependencies={"kvcache_svc": serving.kvcache, "executor_svc": serving.executor})
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     servicer.loop.start()

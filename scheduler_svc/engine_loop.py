@@ -136,6 +136,10 @@ class EngineLoop:
     def _apply(self, command) -> list[RequestOutput]:
         kind, payload = command
         if kind == "add":
+            if len(self.scheduler.waiting) >= self.scheduler.config.max_waiting:
+                return [RequestOutput(payload.request_id, [], finish_reason="overloaded",
+                                      error=f"{len(self.scheduler.waiting)} requests are already waiting "
+                                            f"(max_waiting {self.scheduler.config.max_waiting}); try again later")]
             try:
                 self.scheduler.add_request(payload)
             except ValueError as error:

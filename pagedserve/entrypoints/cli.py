@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,7 +23,9 @@ from pagedserve.config import (
 DEFAULT_ADDRESS = f"{ServingConfig().host}:{SERVICE_PORTS['frontend']}"
 UP_SECTIONS = {
     ModelConfig: None, CacheConfig: None, SchedulerConfig: None,
-    ServingConfig: ("host", "port", "log_level", "startup_timeout", "max_streams", "restart_backoff", "max_restarts"),
+    ServingConfig: ("host", "port", "log_level", "startup_timeout", "max_streams", "restart_backoff", "max_restarts",
+                    "max_message_bytes", "max_prompt_chars", "tls_cert", "tls_key", "tls_ca", "tls_client_ca",
+                    "api_key_file", "internal_token_file"),
 }
 
 
@@ -60,6 +63,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from pagedserve.client import GenerateClient, build_request
     from pagedserve.convert import FINISH_REASON_NAMES
+    from pagedserve.service import API_KEY_ENV
 
     request = build_request(
         messages=[{"role": "user", "content": args.prompt}] if args.chat else None,
@@ -68,7 +72,9 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos or None,
     )
     token_ids, finish = [], None
-    with GenerateClient(args.address) as client:
+    api_key = open(args.api_key_file).read().strip() if args.api_key_file else os.environ.get(API_KEY_ENV)
+    with GenerateClient(args.address, api_key=api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key) as client:
         try:
             for response in client.stream(request):
                 token_ids.extend(response.token_ids)
@@ -107,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--json", action="store_true", help="print token ids and the finish reason as JSON")
+    generate.add_argument("--api-key-file", help="file holding the API key (default: $PAGEDSERVE_API_KEY)")
+    generate.add_argument("--tls-ca", help="CA file: connect with TLS and verify the server with it")
+    generate.add_argument("--tls-cert", help="client certificate file, for mutual TLS")
+    generate.add_argument("--tls-key", help="key file of --tls-cert")
     generate.set_defaults(handler=_generate)
 
     args = parser.parse_args(argv)

@@ -3,6 +3,8 @@ all together."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import kvcache_svc.__main__
 import scheduler_svc.__main__
 from pagedserve.config import PagedServeConfig, to_argv
 from pagedserve.entrypoints.supervisor import RestartPolicy, Supervisor
-from pagedserve.service import wait_until_serving
+from pagedserve.service import INTERNAL_TOKEN_ENV, Security, channel, wait_until_serving
 
 # In start order: each needs the ones before it.
 SERVICES = {
@@ -36,18 +38,24 @@ class Stack:
     """The running services, supervised: one that dies is restarted on the same address (see
     supervisor.py). Use as a context manager, or call start() and stop().
 
-    Port 0 (serving_config.port) serves the public API on a free port; the internal ports are always free ones.
+    Port 0 (serving_config.port) serves the public API on a free port; the internal ports are always free
+    ones, on the loopback interface whatever host the public API listens on. Without an internal token file
+    the stack makes its own secret, handed to the services in their environment.
     """
 
     def __init__(self, config: PagedServeConfig) -> None:
         self.config = config
         host = config.serving_config.host
-        self.addresses = {module: f"{host}:{free_port(host)}" for module in SERVICES}
+        self.addresses = {module: f"127.0.0.1:{free_port()}" for module in SERVICES}
         self.addresses["frontend"] = f"{host}:{config.serving_config.listen_port('frontend') or free_port(host)}"
         self.address = self.addresses["frontend"]
         self.executor_address = self.addresses["executor_svc"]
         self.kvcache_address = self.addresses["kvcache_svc"]
         self.scheduler_address = self.addresses["scheduler_svc"]
+        self.env = dict(os.environ)
+        if config.serving_config.internal_token_file is None:
+            self.env[INTERNAL_TOKEN_ENV] = secrets.token_urlsafe(32)
+        self.security = Security.from_config(config.serving_config, self.env)
         serving = config.serving_config
         self.supervisor = Supervisor(self._spawn, self._wait_serving,
                                      RestartPolicy(serving.restart_backoff, serving.max_restarts))
@@ -59,11 +67,16 @@ class Stack:
 
     def service_argv(self, module: str) -> list[str]:
         """The flags that give a service this stack's configuration: the flags its own parser declares."""
+        host, port = self.addresses[module].rsplit(":", 1)
         serving = dataclasses.replace(
-            self.config.serving_config, port=int(self.addresses[module].rsplit(":", 1)[1]),
+            self.config.serving_config, host=host, port=int(port),
             executor=self.executor_address, kvcache=self.kvcache_address, scheduler=self.scheduler_address,
         )
         return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)
+
+    def channel(self, module: str):
+        """A channel to one of the services, with this stack's credentials (internal RPCs need its token)."""
+        return channel(self.addresses[module], self.security)
 
     def start(self) -> "Stack":
         self.supervisor.start(list(SERVICES))
@@ -72,7 +85,8 @@ class Stack:
     def _spawn(self, module: str) -> subprocess.Popen:
         # A process group of its own: a Ctrl-C at the terminal reaches the launcher alone, which then
         # stops the services in order instead of all of them dying at once.
-        return subprocess.Popen([sys.executable, "-m", module, *self.service_argv(module)], process_group=0)
+        return subprocess.Popen([sys.executable, "-m", module, *self.service_argv(module)], env=self.env,
+                                process_group=0)
 
     def _wait_serving(self, module: str, process: subprocess.Popen, stopping: threading.Event) -> None:
         address = self.addresses[module]
@@ -83,7 +97,7 @@ class Stack:
             if stopping.is_set():
                 raise RuntimeError(f"stopped while {module} was starting")
             try:
-                wait_until_serving(address, timeout=2.0)
+                wait_until_serving(address, timeout=2.0, security=self.security)
                 return
             except Exception:  # not listening yet
                 if time.monotonic() > deadline:

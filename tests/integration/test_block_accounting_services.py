@@ -14,7 +14,6 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.client import GenerateClient, build_request
 from pagedserve.config import PagedServeConfig
 from pagedserve.entrypoints.launcher import Stack
-from pagedserve.service import channel
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 BLOCK_SIZE = 16
@@ -73,7 +72,7 @@ def test_quarter_pool_with_shared_prefixes_salts_and_cancels(tiny_model_with_tok
             t.start()
         for t in threads:
             t.join(timeout=300)
-        with channel(stack.kvcache_address) as ch:
+        with stack.channel("kvcache_svc") as ch:
             kv = kvcache_pb2_grpc.KVCacheStub(ch)
             # Cancelled requests' blocks return with the next step, which the idle scheduler still runs.
             for _ in range(100):
@@ -81,7 +80,7 @@ def test_quarter_pool_with_shared_prefixes_salts_and_cancels(tiny_model_with_tok
                 if pool.num_requests == 0:
                     break
                 threading.Event().wait(0.05)
-        with channel(stack.scheduler_address) as ch:
+        with stack.channel("scheduler_svc") as ch:
             scheduler = scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.SchedulerStatsRequest())
 
     assert not errors, errors

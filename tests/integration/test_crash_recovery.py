@@ -73,7 +73,7 @@ def wait_for(predicate, timeout: float) -> bool:
 
 
 def scheduler_stats(stack) -> scheduler_pb2.SchedulerStats:
-    with channel(stack.scheduler_address) as ch:
+    with stack.channel("scheduler_svc") as ch:
         return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5)
 
 
@@ -83,7 +83,7 @@ def scheduler_load(stack) -> int:
 
 
 def kv_stats(stack) -> kvcache_pb2.KVCacheStats:
-    with channel(stack.kvcache_address) as ch:
+    with stack.channel("kvcache_svc") as ch:
         return kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.KVCacheStatsRequest(), timeout=5)
 
 

@@ -14,7 +14,6 @@ from pagedserve.client import GenerateClient, build_request
 from pagedserve.config import PagedServeConfig
 from pagedserve.entrypoints.launcher import Stack
 from pagedserve.output import Usage
-from pagedserve.service import channel
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 PROMPTS = [
@@ -55,12 +54,12 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
 
 
 def kv_stats(stack) -> kvcache_pb2.KVCacheStats:
-    with channel(stack.kvcache_address) as ch:
+    with stack.channel("kvcache_svc") as ch:
         return kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.KVCacheStatsRequest())
 
 
 def scheduler_stats(stack) -> scheduler_pb2.SchedulerStats:
-    with channel(stack.scheduler_address) as ch:
+    with stack.channel("scheduler_svc") as ch:
         return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.SchedulerStatsRequest())
 
 

@@ -10,7 +10,8 @@ import time
 
 
 class LocalRedis:
-    def __init__(self, startup_timeout: float = 10.0) -> None:
+    def __init__(self, startup_timeout: float = 10.0, password: str | None = None) -> None:
+        """password: the server requires it (AUTH), and url carries it."""
         import redis
 
         binary = shutil.which("redis-server")
@@ -19,11 +20,11 @@ class LocalRedis:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
         self.workdir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.workdir.name],
+             "--dir", self.workdir.name, *(["--requirepass", password] if password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         self.client = redis.Redis.from_url(self.url)

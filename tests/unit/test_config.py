@@ -19,15 +19,21 @@ from pagedserve.entrypoints import cli
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = [executor_svc.__main__, kvcache_svc.__main__, scheduler_svc.__main__, frontend.__main__]
 
+# The file options only need an existing file here: the config checks that it is one, not what it holds.
+A_FILE = __file__
 # Every option set away from its default, so that a flag that is dropped or renamed shows.
 CHANGED = PagedServeConfig(
     ModelConfig(model="m", tokenizer="t", device="cpu", dtype="bfloat16", max_model_len=77, seed=3,
                 attention_backend="torch", enforce_eager=True, cuda_graph_batch_sizes=(1, 3)),
     CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
-                offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True),
-    SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False),
+                offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True,
+                redis_namespace="tenant-7"),
+    SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False, max_waiting=3),
     ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",
-                  startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2),
+                  startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2,
+                  max_message_bytes=1 << 20, max_prompt_chars=999,
+                  tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
+                  internal_token_file=A_FILE),
 )
 
 
@@ -58,6 +64,14 @@ def test_cross_field_rules():
     with pytest.raises(ValueError, match="^offload 'redis' needs redis_url"):
         CacheConfig(offload="redis")
     assert CacheConfig().offload_kind == "host" and CacheConfig(redis_url="redis://r").offload_kind == "redis"
+    with pytest.raises(ValueError, match="^redis_namespace must be"):
+        CacheConfig(redis_namespace="a:b")
+    with pytest.raises(ValueError, match="^tls_cert and tls_key must be given together"):
+        ServingConfig(tls_cert=A_FILE)
+    with pytest.raises(ValueError, match="^tls_ca and tls_client_ca need tls_cert"):
+        ServingConfig(tls_ca=A_FILE)
+    with pytest.raises(ValueError, match="^api_key_file must name a readable file"):
+        ServingConfig(api_key_file="/nonexistent/keys")
 
 
 def test_unknown_keyword_is_refused_by_name():
@@ -101,8 +115,11 @@ def test_the_launchers_argv_parses_with_each_services_parser():
     stack = Stack(CHANGED)
     assert list(LAUNCHED.values()) == SERVICES
     for name, service in LAUNCHED.items():
+        host, port = stack.addresses[name].rsplit(":", 1)
+        # Only the public API listens where it is told; the internal services stay on the loopback.
+        assert host == ("0.0.0.0" if name == "frontend" else "127.0.0.1"), name
         serving = dataclasses.replace(
-            CHANGED.serving_config, port=int(stack.addresses[name].rsplit(":", 1)[1]),
+            CHANGED.serving_config, host=host, port=int(port),
             executor=stack.executor_address, kvcache=stack.kvcache_address, scheduler=stack.scheduler_address,
         )
         expected = _expected(dataclasses.replace(CHANGED, serving_config=serving), service.SECTIONS)

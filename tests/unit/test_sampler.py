@@ -54,7 +54,7 @@ def reference_bounds(row: torch.Tensor, p: SamplingParams) -> tuple[set[int], se
 
 def reference_allowed(row: torch.Tensor, p: SamplingParams) -> set[int]:
     """Tokens a row may emit: for a greedy row the lowest id among the largest logits."""
-    if p.temperature == 0.0:
+    if p.greedy:
         values = row.float().tolist()
         return {values.index(max(values))}
     return reference_bounds(row, p)[1]
@@ -64,7 +64,7 @@ def assert_kept(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     """filter_logits keeps every token a row must keep, none it may not, and one of the most likely."""
     kept_mask = torch.isfinite(filter_logits(logits.float(), SamplingBatch.build(params)))
     for i, p in enumerate(params):
-        if p.temperature == 0.0:
+        if p.greedy:
             continue
         must, may = reference_bounds(logits[i], p)
         kept = set(kept_mask[i].nonzero().flatten().tolist())
@@ -381,3 +381,25 @@ def test_full_size_batch() -> None:
     assert ((out.token_ids >= 0) & (out.token_ids < vocab)).all()
     assert torch.equal(out.token_ids[0::4], logits[0::4].float().argmax(dim=-1))
     assert out.top_token_ids is not None and out.top_token_ids.shape == (rows, 5)
+
+
+# --------------------------------------------------------------------------- degenerate parameters
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324, 1e-6])
+def test_a_temperature_below_epsilon_is_greedy_not_token_zero(temperature) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 20
+    logits[:, 0] = -30  # token 0 is never the answer, so a NaN row's argmax (0) would show
+    out = sample(logits, [SamplingParams(temperature=temperature)] * 4)
+    assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 1e-45, 1e-30])
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    logits[:, 0] = -30
+    # top_p rounds to 0 (or the least subnormal) in float32: only the top token may survive.
+    out = sample(logits, [SamplingParams(temperature=1.0, top_p=top_p)] * 4, positions=[0, 1, 2, 3])
+    assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()

@@ -12,6 +12,9 @@ def test_defaults_are_vllms():
     assert p.stop_token_ids == [] and p.ignore_eos is False and p.logprobs is None
     assert p.stop == [] and p.include_stop_str_in_output is False and p.skip_special_tokens is True
     assert SamplingParams(temperature=0).greedy and not p.greedy
+    # Below vLLM's epsilon a temperature means greedy: dividing by it would overflow the logits.
+    assert SamplingParams(temperature=1e-38).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
 
 
 @pytest.mark.parametrize("field,value", [

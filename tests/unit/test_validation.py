@@ -149,3 +149,36 @@ def test_chat_template_rejection_becomes_a_messages_error():
     with pytest.raises(ValidationError) as info:
         validate_and_tokenize(GenerateInput(request_id="r", messages=USER), StrictTokenizer(), 64, 256)
     assert info.value.field == "messages" and "alternate" in str(info.value)
+
+
+class _MustNotTokenize:
+    """A tokenizer that fails the test if it is asked for anything."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"tokenizer.{name} used for a prompt that should be refused by size")
+
+
+@pytest.mark.parametrize("field,fields", [
+    ("prompt", dict(prompt="x" * (10 << 20))),
+    ("prompt", dict(prompt="é" * 1001)),
+    ("messages", dict(messages=[{"role": "user", "content": "a" * 600}, {"role": "user", "content": "b" * 401}])),
+    ("prompt", dict(prompt_token_ids=[1] * (10 << 20))),
+])
+def test_an_oversized_prompt_is_refused_before_tokenizing(field, fields):
+    with pytest.raises(ValidationError, match="characters|tokens") as info:
+        validate_and_tokenize(GenerateInput(request_id="r", **fields), _MustNotTokenize(), MAX_MODEL_LEN, VOCAB,
+                              max_prompt_chars=1000)
+    assert info.value.field == field
+
+
+def test_a_prompt_at_the_character_limit_is_tokenized(tok):
+    ids, _ = validate_and_tokenize(GenerateInput(request_id="r", prompt="hi " * 10), tok, MAX_MODEL_LEN, VOCAB,
+                                   max_prompt_chars=30)
+    assert ids == tok.encode("hi " * 10, add_special_tokens=False)
+
+
+def test_a_prompt_that_tokenizes_beyond_the_models_vocabulary_is_refused(tok):
+    # The default tokenizer's ids run to 49151; a model of 160 ids cannot embed "Hello".
+    with pytest.raises(ValidationError, match="beyond the model's vocabulary") as info:
+        validate_and_tokenize(GenerateInput(request_id="r", prompt="Hello"), tok, MAX_MODEL_LEN, 160)
+    assert info.value.field == "prompt"
