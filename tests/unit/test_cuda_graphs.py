@@ -99,19 +99,16 @@ def test_executor_cli_rejects_cupy_on_cpu(tiny_llama_dir):
     assert "cupy attention backend cannot run here" in proc.stderr
 
 
-def test_launcher_passes_backend_and_graph_options_to_the_executor(monkeypatch):
+def test_launcher_passes_backend_and_graph_options_to_the_executor():
     from pagedserve.config import PagedServeConfig
     from pagedserve.entrypoints.launcher import Stack
 
-    spawned = {}
-    monkeypatch.setattr(Stack, "_spawn", lambda self, module, address, args: spawned.__setitem__(module, args))
-    Stack(PagedServeConfig.from_kwargs(port=0, attention_backend="torch", enforce_eager=True, max_num_seqs=32)).start()
-    executor = spawned["executor_svc"]
+    stack = Stack(PagedServeConfig.from_kwargs(port=0, attention_backend="torch", enforce_eager=True, max_num_seqs=32))
+    executor = stack.service_argv("executor_svc")
     assert executor[executor.index("--attention-backend") + 1] == "torch"
     assert executor[executor.index("--max-num-seqs") + 1] == "32"
     assert "--enforce-eager" in executor
-    Stack(PagedServeConfig.from_kwargs(port=0)).start()
-    executor = spawned["executor_svc"]
+    executor = Stack(PagedServeConfig.from_kwargs(port=0)).service_argv("executor_svc")
     assert executor[executor.index("--attention-backend") + 1] == "auto" and "--enforce-eager" not in executor
 
 
