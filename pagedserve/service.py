@@ -24,6 +24,10 @@ INTERNAL_MAX_MESSAGE_BYTES = 256 << 20
 TOKEN_METADATA_KEY = "x-pagedserve-token"
 INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+# Set by `pagedserve up` for its services: the launcher's pid. A service whose launcher is gone (killed
+# with SIGKILL, which it cannot pass on) shuts down rather than run on as an orphan nobody supervises.
+PARENT_PID_ENV = "PAGEDSERVE_PARENT_PID"
+PARENT_POLL_S = 1.0
 # Health stays open: load balancers, compose and the launcher probe it without credentials.
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # Each dependency's health is checked this often, each check given this long to answer.
@@ -342,6 +346,9 @@ class Service:
         stopping = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stopping.set())
+        if os.environ.get(PARENT_PID_ENV):
+            threading.Thread(target=self._stop_when_orphaned, args=(int(os.environ[PARENT_PID_ENV]), stopping),
+                             name="parent-watch", daemon=True).start()
         self.start()
         if main_loop is not None:
             main_loop(stopping)
@@ -350,6 +357,13 @@ class Service:
         if on_stop is not None:
             on_stop()
         self.stop()
+
+
+    def _stop_when_orphaned(self, parent_pid: int, stopping: threading.Event) -> None:
+        while not stopping.wait(PARENT_POLL_S):
+            if os.getppid() != parent_pid:
+                logger.warning("%s: its launcher (pid %d) is gone; shutting down", self.name, parent_pid)
+                stopping.set()
 
 
 def configure_logging(level: str) -> None:

@@ -17,7 +17,7 @@ import kvcache_svc.__main__
 import scheduler_svc.__main__
 from pagedserve.config import PagedServeConfig, to_argv
 from pagedserve.entrypoints.supervisor import RestartPolicy, Supervisor
-from pagedserve.service import INTERNAL_TOKEN_ENV, Security, channel, wait_until_serving
+from pagedserve.service import INTERNAL_TOKEN_ENV, PARENT_PID_ENV, Security, channel, wait_until_serving
 
 # In start order: each needs the ones before it.
 SERVICES = {
@@ -52,7 +52,7 @@ class Stack:
         self.executor_address = self.addresses["executor_svc"]
         self.kvcache_address = self.addresses["kvcache_svc"]
         self.scheduler_address = self.addresses["scheduler_svc"]
-        self.env = dict(os.environ)
+        self.env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         if config.serving_config.internal_token_file is None:
             self.env[INTERNAL_TOKEN_ENV] = secrets.token_urlsafe(32)
         self.security = Security.from_config(config.serving_config, self.env)

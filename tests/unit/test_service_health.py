@@ -67,3 +67,38 @@ def test_a_service_whose_dependency_is_down_at_start_is_not_serving():
         assert status(service.address) == NOT_SERVING
     finally:
         service.stop(grace=0)
+
+
+def test_a_service_whose_launcher_is_killed_shuts_down_by_itself(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    # launcher.py stands in for `pagedserve up`: it starts a service with its own pid in the environment,
+    # as the launcher does, then waits; the test kills it with SIGKILL, which it cannot pass on.
+    service = ("from pagedserve.service import Service; "
+               "Service('orphan-test', '127.0.0.1', 0).serve_until_signalled()")
+    (tmp_path / "launcher.py").write_text(
+        "import os, subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {service!r}], process_group=0,\n"
+        "                         env={**os.environ, 'PAGEDSERVE_PARENT_PID': str(os.getpid())})\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, str(tmp_path / "launcher.py")], stdout=subprocess.PIPE, text=True,
+                                cwd=os.getcwd())
+    child_pid = int(launcher.stdout.readline())
+    time.sleep(1.5)  # the service is up
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:  # gone, or a zombie its new parent has not reaped yet
+            if open(f"/proc/{child_pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(child_pid, signal.SIGKILL)
+    raise AssertionError("the service outlived its launcher")
