@@ -113,7 +113,7 @@ def test_an_internal_rpc_without_the_secret_is_refused(stack, pki):
 def test_the_internal_secret_travels_in_the_environment_not_on_the_command_line(stack):
     token = stack.env[INTERNAL_TOKEN_ENV]
     assert len(token) >= 32 and stack.security.internal_token == token
-    for module, process in stack.processes:
+    for module, process in stack.processes.items():
         with open(f"/proc/{process.pid}/cmdline", "rb") as f:
             assert token.encode() not in f.read(), module
 
