@@ -120,9 +120,9 @@ class SchedulerLink:
             return f"lost the scheduler: {error.code().name}"
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None) -> queue.SimpleQueue:
+               cache_salt: str | None, priority: int = 0) -> queue.SimpleQueue:
         add = scheduler_pb2.AddRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt or ""
+            request_id=request_id, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt or "", priority=priority,
         )
         sampling_to_proto(params, add.sampling)
         entry = _InFlight(add, queue.SimpleQueue())
@@ -166,6 +166,7 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         ignore_eos=sampling.ignore_eos,
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         cache_salt=request.cache_salt or None,
+        priority=request.priority,
     )
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens"):
         if sampling.HasField(name):
@@ -215,7 +216,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         internal_id = uuid.uuid4().hex
         try:
             try:
-                inbox = self.link.submit(internal_id, prompt_ids, params, inp.cache_salt)
+                inbox = self.link.submit(internal_id, prompt_ids, params, inp.cache_salt, inp.priority)
             except ConnectionError as error:
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
             # Whatever ends the call (a client cancel, a deadline, the end of the stream), the scheduler is

@@ -45,6 +45,7 @@ class GenerateInput:
     include_stop_str_in_output: bool = False
     # Not a sampling parameter: it keeps requests apart in the prefix cache.
     cache_salt: str | None = None
+    priority: int = 0  # lower runs first under the scheduler's priority policy
 
 
 def validate_and_tokenize(

@@ -21,11 +21,11 @@ class Completion:
 
 
 def build_request(prompt=None, *, prompt_token_ids=None, messages=None, request_id: str = "",
-                  cache_salt: str = "", **sampling) -> generate_pb2.GenerateRequest:
+                  cache_salt: str = "", priority: int = 0, **sampling) -> generate_pb2.GenerateRequest:
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields: {sorted(unknown)}")
-    request = generate_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt)
+    request = generate_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt, priority=priority)
     if prompt is not None:
         request.prompt = prompt
     if prompt_token_ids is not None:

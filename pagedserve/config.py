@@ -169,6 +169,15 @@ class SchedulerConfig(_Config):
                                     "once (RESOURCE_EXHAUSTED)", min=1)
     enable_chunked_prefill: bool = option(True, "split a long prompt across steps so running decodes keep "
                                                 "their pace")
+    scheduling_policy: str = option("fcfs", "`fcfs`: first come, first served; `priority`: by each request's "
+                                            "`priority` (lower first), ties by arrival; preemption takes the "
+                                            "lowest priority, then the newest", choices=("fcfs", "priority"))
+    long_prefill_token_threshold: int = option(0, "most prompt tokens one request computes in a step (0: no "
+                                                  "limit but the budget), so that a huge prompt leaves room to "
+                                                  "others in every step", min=0)
+    max_num_partial_prefills: int = option(0, "requests part-way through their prompt at once (0: no limit); "
+                                              "a prompt that would start another waits while shorter ones that "
+                                              "finish within the step go ahead", min=0)
     # Facts, not options: none until build_scheduler fills them in from what the executor reports.
     block_size: int | None = option(None, "tokens per KV block, as the executor reports it", min=1, flag=False)
     max_model_len: int | None = option(None, "context length, as the executor reports it (what its KV cache "

@@ -18,7 +18,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
         "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
-        "num_preemptions", "cache_salt", "num_tokens_sent_to_kv",
+        "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival",
     )
 
     def __init__(
@@ -30,10 +30,13 @@ class Request:
         max_model_len: int,
         cache_salt: str | None = None,
         output_token_ids: list[int] = (),
+        priority: int = 0,
     ) -> None:
         """output_token_ids: tokens already produced (a request re-submitted after a scheduler restart);
         generation continues after them, and they count toward max_tokens and min_tokens."""
         self.request_id = request_id
+        self.priority = priority  # lower runs first, under the priority policy
+        self.arrival = 0  # set by the scheduler: the order in which requests came
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         eos = () if sampling_params.ignore_eos else eos_token_ids

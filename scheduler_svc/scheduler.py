@@ -10,6 +10,12 @@ running request gives all of its blocks back and returns to the head of the wait
 recomputed later: its output does not change, since it resumes from the tokens it already has). The
 scheduler never counts blocks itself.
 
+Under the priority policy both queues are kept in (priority, arrival) order, so the block manager's
+preemption from the tail takes the lowest priority, then the newest. Two limits keep a huge prompt from
+stalling everyone: long_prefill_token_threshold caps the prompt tokens one request computes per step, and
+max_num_partial_prefills caps how many requests are part-way through their prompt at once (a prompt that
+would start another waits while shorter ones that finish within the step go ahead).
+
 A step that fails is rolled back by recompute: its requests give their blocks back and are re-admitted
 (mostly from the prefix cache, which indexes a block only once its step has run). A request the executor
 refuses (a bad token id, block or position) fails alone with the reason. When the executor raises for a
@@ -18,9 +24,8 @@ until one has succeeded, so that a request that fails again fails alone and the 
 """
 from __future__ import annotations
 
-import itertools
+import bisect
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,6 +60,13 @@ class _Scheduled:
     request: Request
     num_new_tokens: int
 
+    @property
+    def partial(self) -> bool:
+        """Part-way through its prompt (or recompute) after this step."""
+        return self.num_new_tokens > 0 and (
+            self.request.num_computed_tokens + self.num_new_tokens < self.request.num_tokens
+        )
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocate_blocks: Callable[[BlockStepRequest], BlockStepResult],
@@ -69,8 +81,9 @@ class Scheduler:
         self.executed_step_id = 0  # of the last plan the executor ran
         self.failed_request_ids: list[str] = []  # requests whose part of that plan failed
         self.suspects: set[str] = set()  # in a step that raised: each runs alone until one succeeds
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.num_arrivals = 0
         self.requests: dict[str, Request] = {}
         # Ended since the last step: the block manager frees them and the executor drops their state.
         self.pending_frees: list[str] = []
@@ -89,8 +102,10 @@ class Scheduler:
                 f"prompt has {len(request.prompt_token_ids)} tokens; the context length is "
                 f"{self.config.max_model_len}, leaving no room to generate"
             )
+        request.arrival = self.num_arrivals
+        self.num_arrivals += 1
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -112,21 +127,29 @@ class Scheduler:
         budget = 0 if self.suspects else self.config.max_num_batched_tokens
         running: list[_Scheduled] = []
         for request in self.running:
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, budget)
             running.append(_Scheduled(request, num_new))
             budget -= num_new
         candidates = self.waiting
         if self.suspects:
             budget = self.config.max_num_batched_tokens
             candidates = [next(r for r in self.waiting if r.request_id in self.suspects)]
+        partial_limit = self.config.max_num_partial_prefills or len(self.requests)
+        num_partial = sum(1 for s in running if s.partial)
         waiting: list[_Scheduled] = []
         room = 1 if self.suspects else max(self.config.max_num_seqs - len(self.running), 0)
-        for request in itertools.islice(candidates, room):
-            num_new = request.num_tokens - request.num_computed_tokens
-            if budget <= 0 or (num_new > budget and not self.config.enable_chunked_prefill):
+        for request in candidates:
+            if len(waiting) == room or budget <= 0:
                 break
-            waiting.append(_Scheduled(request, min(num_new, budget)))
-            budget -= waiting[-1].num_new_tokens
+            num_new = self._chunk(request, budget)
+            if num_new < request.num_tokens - request.num_computed_tokens:
+                if not self.config.enable_chunked_prefill:
+                    break
+                if num_partial == partial_limit:
+                    continue  # this one would start another partial prefill: shorter ones may go ahead
+                num_partial += 1
+            waiting.append(_Scheduled(request, num_new))
+            budget -= num_new
 
         step_id = self.next_step_id
         self.next_step_id += 1
@@ -146,7 +169,7 @@ class Scheduler:
         for s in admitted:
             self.waiting.remove(s.request)
             s.request.status = RequestStatus.RUNNING
-            self.running.append(s.request)
+            self._enqueue(self.running, s.request)
         preempted = set(blocks.preempted_request_ids)
         for request_id in blocks.preempted_request_ids:
             self._preempt(self.requests[request_id])
@@ -219,6 +242,25 @@ class Scheduler:
         output.error = error
         return output
 
+    # ------------------------------------------------------------------ policy
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """The tokens the request computes this step, out of what it still has to and what budget is left."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold and num_new > 1:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return num_new
+
+    def _enqueue(self, queue: list[Request], request: Request, front: bool = False) -> None:
+        """FCFS: to the back (front: a preempted request, first to be re-admitted); priority: in (priority,
+        arrival) order, wherever it comes from."""
+        if self.config.scheduling_policy == "priority":
+            bisect.insort(queue, request, key=lambda r: (r.priority, r.arrival))
+        elif front:
+            queue.insert(0, request)
+        else:
+            queue.append(request)
+
     # ------------------------------------------------------------------ messages
 
     @staticmethod
@@ -270,7 +312,7 @@ class Scheduler:
         request.num_tokens_sent_to_kv = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(self.waiting, request, front=True)
 
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED

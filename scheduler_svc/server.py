@@ -123,7 +123,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             request = Request(
                 add.request_id, list(add.prompt_token_ids), params, self.eos_token_ids,
                 self.scheduler.config.max_model_len, cache_salt=add.cache_salt or None,
-                output_token_ids=list(add.output_token_ids),
+                output_token_ids=list(add.output_token_ids), priority=add.priority,
             )
         except ValueError as error:
             self._send(connection, [RequestOutput(add.request_id, [], finish_reason="error", error=str(error))])

@@ -69,11 +69,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[GenerationResult]:
         """Generates for every prompt (text, or a list of token ids) as one continuous batch.
 
         Returns one result per prompt, in input order. Requests with different ``cache_salt`` values never
-        share prefix-cache blocks.
+        share prefix-cache blocks. priority: one per prompt, lower first (with scheduling_policy="priority").
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -86,15 +87,19 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
             )
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
         results: dict[str, GenerationResult] = {}
         states: dict[str, RequestOutputState] = {}
         order = []
-        for prompt, params in zip(prompt_list, params_list):
+        for prompt, params, request_priority in zip(prompt_list, params_list, priorities):
             token_ids = self._tokenize(prompt)
             request_id = str(next(self._request_ids))
             states[request_id] = RequestOutputState(self.tokenizer, token_ids, params)
             self.scheduler.add_request(
-                Request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len, cache_salt)
+                Request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len, cache_salt,
+                        priority=request_priority)
             )
             results[request_id] = GenerationResult(
                 request_id, token_ids, logprobs=[] if params.logprobs is not None else None

@@ -1,9 +1,12 @@
 """The scheduler and the block manager together, under shared prefixes, salts, cancels and a pool a quarter
-of what the load needs: the block manager is the only one that counts blocks, preemption is last in,
-first out, outputs are those of an unconstrained run, and every block is accounted for at every step."""
+of what the load needs: the block manager is the only one that counts blocks, preemption takes the newest
+running request (under the priority policy: the lowest priority, then the newest), outputs are those of an
+unconstrained run, and every block is accounted for at every step."""
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -11,7 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.step import BlockStepRequest, BlockStepResult
-from tests.unit.test_scheduler import EOS, CheckingExecutor, add
+from pagedserve.sampling_params import SamplingParams
+from scheduler_svc.request import Request
+from tests.unit.test_scheduler import EOS, CheckingExecutor
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
@@ -26,11 +31,13 @@ NUM_BLOCKS = MAX_CONCURRENT * -(-(MAX_PROMPT + MAX_TOKENS) // BLOCK_SIZE) // 4
 class ObservedBlockManager:
     """The real block manager, with each step's decisions checked against what the pool held."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, priority_of=None) -> None:
         self.manager = manager
         self.admitted_order: dict[str, int] = {}  # request id -> when it was (last) admitted
         self.num_admissions = 0
         self.num_preemptions = 0
+        # Under the priority policy: request id -> (priority, arrival), the order running requests must keep.
+        self.priority_of = priority_of
 
     def step(self, request: BlockStepRequest) -> BlockStepResult:
         # What the pool will have free once the step's frees are done: blocks no one else holds.
@@ -43,14 +50,15 @@ class ObservedBlockManager:
         free = self.manager.num_free_blocks + sum(1 for b, n in released.items() if blocks[b].ref_cnt == n)
         needed = sum(max(0, -(-r.num_tokens // bs) - len(self.manager.block_ids(r.request_id))) for r in request.running)
         running_ids = [r.request_id for r in request.running]
-        # The scheduler lists its running requests oldest admission first: its priority order.
-        assert running_ids == sorted(running_ids, key=self.admitted_order.__getitem__)
+        # The scheduler lists its running requests in priority order: oldest admission first (FCFS), or
+        # by (priority, arrival).
+        assert running_ids == sorted(running_ids, key=self.priority_of or self.admitted_order.__getitem__)
         result = self.manager.step(request)
         victims = result.preempted_request_ids
         if victims:
             # Preemption only when the pool truly could not grow every running request...
             assert needed > free, f"preempted {victims} with {free} free blocks for {needed} needed"
-            # ...and the victims are the newest running requests, newest first.
+            # ...and the victims come from the tail: the newest (lowest priority) running requests first.
             assert victims == running_ids[::-1][: len(victims)]
             assert not any(w.request_id in result.new_block_ids for w in request.waiting)
         self.num_preemptions += len(victims)
@@ -70,12 +78,18 @@ def expected_output(prompt: list[int], executor: CheckingExecutor) -> list[int]:
 
 
 class SharedPrefixQuarterPool(RuleBasedStateMachine):
+    policy = "fcfs"
+
     def __init__(self) -> None:
         super().__init__()
         self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, model_id="test")
-        self.observed = ObservedBlockManager(self.manager)
+        priority_of = None
+        if self.policy == "priority":
+            priority_of = lambda rid: (self.scheduler.requests[rid].priority, self.scheduler.requests[rid].arrival)  # noqa: E731
+        self.observed = ObservedBlockManager(self.manager, priority_of)
         self.scheduler = Scheduler(
-            SchedulerConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=24, max_model_len=NUM_BLOCKS * BLOCK_SIZE),
+            SchedulerConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=24, max_model_len=NUM_BLOCKS * BLOCK_SIZE,
+                            scheduling_policy=self.policy),
             self.observed.step,
         )
         self.executor = CheckingExecutor(self.manager, BLOCK_SIZE)
@@ -86,13 +100,15 @@ class SharedPrefixQuarterPool(RuleBasedStateMachine):
 
     @precondition(lambda self: len(self.scheduler.requests) < MAX_CONCURRENT)
     @rule(prefix=st.integers(0, 2), prefix_blocks=st.integers(0, 4), suffix=st.lists(st.integers(0, EOS - 1), max_size=8),
-          salt=st.sampled_from([None, "tenant-a", "tenant-b"]))
-    def add_request(self, prefix, prefix_blocks, suffix, salt):
+          salt=st.sampled_from([None, "tenant-a", "tenant-b"]), priority=st.integers(0, 2))
+    def add_request(self, prefix, prefix_blocks, suffix, salt, priority=0):
         prompt = PREFIXES[prefix][: prefix_blocks * BLOCK_SIZE] + suffix or [prefix]
         request_id = f"r{self.next_id}"
         self.next_id += 1
-        request = add(self.scheduler, request_id, prompt, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        request.cache_salt = salt
+        self.scheduler.add_request(Request(
+            request_id, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), (EOS,),
+            self.scheduler.config.max_model_len, cache_salt=salt, priority=priority,
+        ))
         self.prompts[request_id] = prompt
         self.outputs[request_id] = []
 
@@ -148,10 +164,19 @@ SharedPrefixQuarterPool.TestCase.settings = settings(max_examples=150, stateful_
 TestSharedPrefixQuarterPool = SharedPrefixQuarterPool.TestCase
 
 
-def test_the_quarter_pool_does_preempt():
-    """The machine above is only meaningful if its pool really runs short: one fixed run shows it does."""
-    machine = SharedPrefixQuarterPool()
+class SharedPrefixQuarterPoolByPriority(SharedPrefixQuarterPool):
+    policy = "priority"
+
+
+SharedPrefixQuarterPoolByPriority.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
+TestSharedPrefixQuarterPoolByPriority = SharedPrefixQuarterPoolByPriority.TestCase
+
+
+@pytest.mark.parametrize("machine_class", [SharedPrefixQuarterPool, SharedPrefixQuarterPoolByPriority])
+def test_the_quarter_pool_does_preempt(machine_class):
+    """The machines above are only meaningful if their pool really runs short: one fixed run shows it does."""
+    machine = machine_class()
     for i in range(MAX_CONCURRENT):
-        machine.add_request(prefix=i % 3, prefix_blocks=4, suffix=[i] * 8, salt=None)
+        machine.add_request(prefix=i % 3, prefix_blocks=4, suffix=[i] * 8, salt=None, priority=i % 3)
     machine.teardown()
     assert machine.observed.num_preemptions > 0

@@ -240,3 +240,45 @@ def test_rejects_duplicate_ids_and_empty_prompts():
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    scheduler, block_manager, executor = make_engine(400, block_size=4, max_num_seqs=1, scheduling_policy="priority")
+    order = []
+    for request_id, priority in [("late-low", 2), ("high", 0), ("mid-a", 1), ("mid-b", 1)]:
+        request = Request(request_id, [1, 2, 3], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                          (EOS,), scheduler.config.max_model_len, priority=priority)
+        scheduler.add_request(request)
+    while scheduler.has_unfinished_requests():
+        for output in scheduler.step(executor):
+            if output.finished:
+                order.append(output.request_id)
+    assert order == ["high", "mid-a", "mid-b", "late-low"]
+
+
+def test_long_prefill_threshold_caps_each_steps_chunk():
+    scheduler, block_manager, executor = make_engine(400, block_size=4, max_num_batched_tokens=64,
+                                                     long_prefill_token_threshold=16)
+    add(scheduler, "short", [1, 2, 3], temperature=0, max_tokens=20, ignore_eos=True)
+    scheduler.step(executor)
+    add(scheduler, "long", list(range(100)), temperature=0, max_tokens=2, ignore_eos=True)
+    run_to_completion(scheduler, executor, block_manager)
+    chunks = [len(r.token_ids) for step in executor.steps for r in step.requests if r.request_id == "long"]
+    assert chunks[:7] == [16] * 6 + [4], "the 100-token prompt goes in chunks of at most 16"
+
+
+def test_max_num_partial_prefills_lets_short_prompts_past_a_second_long_one():
+    scheduler, block_manager, executor = make_engine(400, block_size=4, max_num_batched_tokens=40,
+                                                     long_prefill_token_threshold=16, max_num_partial_prefills=1)
+    add(scheduler, "long-a", list(range(100)), temperature=0, max_tokens=1, ignore_eos=True)
+    add(scheduler, "long-b", list(range(200, 300)), temperature=0, max_tokens=1, ignore_eos=True)
+    add(scheduler, "short", [5, 6, 7], temperature=0, max_tokens=1, ignore_eos=True)
+    first = scheduler.step(executor)
+    step = executor.steps[0]
+    # long-a takes the one partial slot; long-b would be a second partial prefill and waits; short fits.
+    assert [r.request_id for r in step.requests] == ["long-a", "short"]
+    assert [o.request_id for o in first] == ["short"]
+    run_to_completion(scheduler, executor, block_manager)
+    for step in executor.steps:
+        partial = [r for r in step.requests if not r.sample]
+        assert len(partial) <= 1
