@@ -55,6 +55,12 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, 150) for _ in range(rng.randint(4, 60))] for _ in range(count)]
 
 
+def greedy(reference: LLM, requests: list[list[int]], max_tokens: int):
+    """What a fault-free run gives: the offline LLM's greedy tokens and logprobs."""
+    return reference.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                       logprobs=1))
+
+
 def health(address: str):
     with channel(address) as ch:
         try:
@@ -194,8 +200,7 @@ def test_scheduler_killed_under_load_every_stream_continues_unchanged(stack, ref
 
 def test_executor_killed_under_load_every_request_is_recomputed_unchanged(stack, reference):
     requests, max_tokens = prompts(100, seed=2), 32
-    expected = reference.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                           logprobs=1))
+    expected = greedy(reference, requests, max_tokens)
     before = scheduler_stats(stack)
     results, midway = load_with_a_kill(stack, "executor_svc", requests, max_tokens, "executor-kill")
     after = scheduler_stats(stack)
@@ -210,7 +215,7 @@ def test_executor_killed_under_load_every_request_is_recomputed_unchanged(stack,
 
 def test_prompts_cached_before_an_executor_restart_are_recomputed_not_reused(stack, reference):
     warm = prompts(6, seed=3)
-    expected = reference.generate(warm, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1))
+    expected = greedy(reference, warm, 16)
     with GenerateClient(stack.address) as client:
         for i, prompt in enumerate(warm):
             assert_matches(stream(client, prompt, f"warm-{i}", 16), expected[i], f"warm {i}")
@@ -231,8 +236,7 @@ def test_prompts_cached_before_an_executor_restart_are_recomputed_not_reused(sta
 
 def test_kvcache_killed_under_load_without_redis_requests_are_readmitted(stack, reference):
     requests, max_tokens = prompts(100, seed=4), 32
-    expected = reference.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                           logprobs=1))
+    expected = greedy(reference, requests, max_tokens)
     before = scheduler_stats(stack)
     results, midway = load_with_a_kill(stack, "kvcache_svc", requests, max_tokens, "kvcache-kill")
     after = scheduler_stats(stack)
@@ -248,8 +252,7 @@ def test_kvcache_killed_under_load_without_redis_requests_are_readmitted(stack, 
 
 def test_kvcache_killed_with_redis_resumes_its_saved_state(model, reference, redis_server):
     requests, max_tokens = prompts(60, seed=5), 32
-    expected = reference.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                                                           logprobs=1))
+    expected = greedy(reference, requests, max_tokens)
     config = PagedServeConfig.from_kwargs(
         model=model, device="cpu", port=0, log_level="WARNING", kv_cache_memory=64 << 20,
         redis_url=redis_server.url, restart_backoff=1.0, max_restarts=2,
