@@ -17,6 +17,9 @@ from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# response_format json_object: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
 
 class GrammarError(ValueError):
     """The request's schema cannot be compiled into a grammar."""
@@ -47,8 +50,10 @@ class StructuredOutput:
 
         compiler = self._grammar_compiler()
         try:
-            compiled = (compiler.compile_builtin_json_grammar() if params.json_object
-                        else compiler.compile_json_schema(params.json_schema))
+            # No free whitespace between tokens: a sampled model could otherwise pad the JSON with blank
+            # lines until max_tokens cuts it short of valid.
+            compiled = compiler.compile_json_schema(JSON_OBJECT_SCHEMA if params.json_object else params.json_schema,
+                                                    any_whitespace=False)
         except RuntimeError as error:
             raise GrammarError(f"json_schema cannot be compiled: {error}".strip()) from None
         return xgrammar.GrammarMatcher(compiled)

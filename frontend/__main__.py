@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
 
         api = OpenAIServer(link, tokenizer, serving.served_model_name or info.model, info.max_model_len,
                            info.vocab_size, max_prompt_chars, security.api_key_ok if security.api_keys else None)
-        http = HttpServer(api.app, serving.http_address, serving.log_level)
+        http = HttpServer(api.app, serving.http_address, serving.log_level, serving.tls_cert, serving.tls_key,
+                          serving.tls_client_ca)
         http.start()
 
     def stop() -> None:

@@ -459,9 +459,14 @@ def _usage(deltas: list[ChoiceDelta]) -> dict:
 
 
 class HttpServer:
-    """Serves the app with uvicorn on a thread of its own, beside the gRPC server."""
+    """Serves the app with uvicorn on a thread of its own, beside the gRPC server. With tls_cert and tls_key
+    it serves HTTPS only, as the gRPC port serves TLS only; with tls_client_ca it requires client
+    certificates signed by it."""
 
-    def __init__(self, app: FastAPI, address: str, log_level: str) -> None:
+    def __init__(self, app: FastAPI, address: str, log_level: str, tls_cert: str | None = None,
+                 tls_key: str | None = None, tls_client_ca: str | None = None) -> None:
+        import ssl
+
         import uvicorn
 
         host, port = address.rsplit(":", 1)
@@ -469,8 +474,13 @@ class HttpServer:
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host.strip("[]"), int(port)))
+        tls = {}
+        if tls_cert is not None:
+            tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key}
+            if tls_client_ca is not None:
+                tls.update(ssl_ca_certs=tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False,
-                                                    timeout_graceful_shutdown=2))
+                                                    timeout_graceful_shutdown=2, **tls))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        name="http", daemon=True)
 
