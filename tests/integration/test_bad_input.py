@@ -48,7 +48,7 @@ def stack(tmp_path_factory):
         os.dup2(saved, 2)
         os.close(saved)
     running.log = log
-    running.pids = [process.pid for _, process in running.processes]
+    running.pids = [process.pid for process in running.processes.values()]
     running.log_at_start = os.fstat(log.fileno()).st_size
     yield running
     running.stop()
@@ -282,8 +282,8 @@ def test_a_salt_never_hits_blocks_cached_under_another(stack, client):
 # ------------------------------------------------------------------------------------------ afterwards
 def test_zz_no_restart_no_leak_no_log_flood(stack):
     """Runs last (by name within this module): what all of the above left behind."""
-    assert [process.pid for _, process in stack.processes] == stack.pids
-    assert all(process.poll() is None for _, process in stack.processes)
+    assert [process.pid for process in stack.processes.values()] == stack.pids
+    assert all(process.poll() is None for process in stack.processes.values())
     stats = wait_until_idle(stack)
     assert (stats.num_requests, stats.num_in_use) == (0, 0)
     stack.log.seek(stack.log_at_start)
