@@ -28,7 +28,8 @@ from executor_svc.model_loader import (
 )
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.offload import HostTier, RedisTier
-from executor_svc.sampler import Sampler, SamplingBatch
+from executor_svc.sampler import Sampler, SamplingBatch, TokenCounts
+from executor_svc.structured_output import GrammarError, StructuredOutput
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep
@@ -44,6 +45,7 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     prompt_len: int
+    matcher: object | None = None  # the grammar matcher of a structured request (xgrammar.GrammarMatcher)
 
 
 class ModelRunner:
@@ -104,6 +106,8 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self.token_counts = TokenCounts(self.config.vocab_size, self.device)
+        self.structured_output = StructuredOutput(self.model_dir, self.config.vocab_size, self.eos_token_ids)
         # This instance: a plan made for another one assumes KV this one never computed.
         self.epoch = uuid.uuid4().hex
         self.scheduler_id = ""  # whose requests self.requests holds
@@ -133,7 +137,15 @@ class ModelRunner:
         sampled_positions = [r.start_position + len(r.token_ids) for r in sampling]
         self._ban_stop_tokens_before_min_tokens(logits, sampling, sampled_positions)
         batch = SamplingBatch.build(params, self.device)
-        tokens = self.sampler(logits, batch, sampled_positions).to_sampled_tokens(batch)
+        penalty_counts = None
+        if batch.penalty_rows is not None:
+            penalty_counts = self.token_counts.gather([r.request_id for r, p in zip(sampling, params) if p.has_penalties])
+        grammar_mask = None
+        grammar_rows = [row for row, r in enumerate(sampling) if self.requests[r.request_id].matcher is not None]
+        if grammar_rows:
+            matchers = [self.requests[sampling[row].request_id].matcher for row in grammar_rows]
+            grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, matchers), grammar_rows)
+        tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask).to_sampled_tokens(batch)
         result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
         return result
 
@@ -158,23 +170,23 @@ class ModelRunner:
             raise StaleEpoch(f"the step was planned for executor {step.executor_epoch}, this is {self.epoch}")
         if step.scheduler_id != self.scheduler_id:
             self.requests.clear()  # a new scheduler: the old one's requests are gone
+            self.token_counts.clear()
             self.scheduler_id = step.scheduler_id
         for request_id in step.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
         rejected: dict[str, str] = {}
         accepted = []
         for req in step.requests:
             error = self._check(req)
+            if error is None and req.sampling_params is not None:
+                error = self._new_state(req)
             if error is not None:
                 rejected[req.request_id] = error
                 continue
             accepted.append(req)
-            if req.sampling_params is not None:
-                self.requests[req.request_id] = RequestState(
-                    req.sampling_params, list(req.new_block_ids), req.prompt_len
-                )
-            else:
+            if req.sampling_params is None:
                 self.requests[req.request_id].block_ids.extend(req.new_block_ids)
+        self._follow_tokens(accepted)
         # Blocks about to be overwritten leave first; then prefix blocks come back from the tier.
         self._save_blocks(step.save_blocks)
         requests, num_loaded, num_failed = self._load_blocks(accepted)
@@ -184,6 +196,46 @@ class ModelRunner:
         result.rejected = rejected
         return sampling, logits, result
 
+    def _drop(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.token_counts.remove(request_id)
+
+    def _new_state(self, req: ExecuteRequest) -> str | None:
+        """(Re)creates the request's state; the reason it cannot run, or None."""
+        self._drop(req.request_id)
+        params = req.sampling_params
+        matcher = None
+        if params.structured:
+            try:
+                matcher = self.structured_output.matcher(params)
+            except GrammarError as error:
+                return str(error)
+        if params.has_penalties:
+            self.token_counts.add(req.request_id)
+        self.requests[req.request_id] = RequestState(params, list(req.new_block_ids), req.prompt_len, matcher)
+        return None
+
+    def _follow_tokens(self, requests: list[ExecuteRequest]) -> None:
+        """Feeds the step's tokens (and, for a new state, its uncomputed prefix) to the penalty counts and the
+        grammar matchers of the requests that have them, before anything samples."""
+        count_ids, count_tokens, count_is_output = [], [], []
+        for req in requests:
+            state = self.requests[req.request_id]
+            if not state.params.needs_token_history:
+                continue
+            prefix = req.prefix_token_ids if req.sampling_params is not None else []
+            tokens = prefix + req.token_ids
+            first_output = max(state.prompt_len - (req.start_position - len(prefix)), 0)
+            if state.params.has_penalties:
+                count_ids += [req.request_id] * len(tokens)
+                count_tokens += tokens
+                count_is_output += [i >= first_output for i in range(len(tokens))]
+            if state.matcher is not None:
+                for token in tokens[first_output:]:
+                    if not state.matcher.accept_token(token):
+                        logger.warning("request %s: token %d is outside its grammar", req.request_id, token)
+        self.token_counts.record(count_ids, count_tokens, count_is_output)
+
     def _check(self, req: ExecuteRequest) -> str | None:
         """Why the request cannot run (it would read or write outside what it owns), or None."""
         state = self.requests.get(req.request_id)
@@ -191,7 +243,9 @@ class ModelRunner:
             return "unknown to the executor and carries no sampling parameters"
         if not req.token_ids:
             return "no tokens to compute"
-        if min(req.token_ids) < 0 or max(req.token_ids) >= self.config.vocab_size:
+        if req.sampling_params is not None and any(t >= self.config.vocab_size for t in req.sampling_params.logit_bias):
+            return f"logit_bias token ids must be below {self.config.vocab_size}"
+        if min(req.token_ids + req.prefix_token_ids) < 0 or max(req.token_ids + req.prefix_token_ids) >= self.config.vocab_size:
             return f"token ids must be in [0, {self.config.vocab_size})"
         end = req.start_position + len(req.token_ids)
         if req.start_position < 0 or end > self.max_model_len:

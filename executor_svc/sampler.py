@@ -1,8 +1,9 @@
-"""Token sampling for a whole batch at once: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Token sampling for a whole batch at once: logit bias, penalties, grammar masks, greedy, temperature,
+top-k, top-p, min-p, seeds, logprobs.
 
 Every step runs a fixed number of tensor ops whatever the batch size; the only per-request Python loop
 is over seeded rows, which each need a generator of their own so that their draws do not depend on the
-rest of the batch.
+rest of the batch. Bias, penalties and grammar masks touch only the rows that ask for them.
 """
 from __future__ import annotations
 
@@ -52,6 +53,15 @@ class SamplingBatch:
     seeded: list[tuple[int, int]]  # (row, seed) for random rows with a seed
     num_logprobs: list[int | None]  # per row, to cut the batch-wide top-n down to what each asked
     max_num_logprobs: int | None  # None when no row wants logprobs
+    # Logit bias of every row flattened: logits[bias_rows, bias_token_ids] += bias_values. None: no row.
+    bias_rows: torch.Tensor | None = None
+    bias_token_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # Rows with penalties, and theirs: [P] each. None: no row.
+    penalty_rows: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
@@ -62,6 +72,20 @@ class SamplingBatch:
         random_rows = [p for p, g in zip(params, greedy) if not g]
         random_top_k = [k for k, g in zip(top_k, greedy) if not g]
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        extra = {}
+        biased = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias.items()]
+        if biased:
+            rows, token_ids, values = zip(*biased)
+            extra.update(bias_rows=torch.tensor(rows, device=device),
+                         bias_token_ids=torch.tensor(token_ids, device=device),
+                         bias_values=torch.tensor(values, dtype=torch.float32, device=device))
+        penalized = [row for row, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            column = lambda name: torch.tensor(  # noqa: E731
+                [getattr(params[row], name) for row in penalized], dtype=torch.float32, device=device).unsqueeze(1)
+            extra.update(penalty_rows=torch.tensor(penalized, device=device),
+                         presence_penalty=column("presence_penalty"), frequency_penalty=column("frequency_penalty"),
+                         repetition_penalty=column("repetition_penalty"))
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -77,6 +101,7 @@ class SamplingBatch:
             seeded=[(i, p.seed) for i, p in enumerate(params) if p.seed is not None and not p.greedy],
             num_logprobs=[p.logprobs for p in params],
             max_num_logprobs=max(asked) if asked else None,
+            **extra,
         )
 
     def __len__(self) -> int:
@@ -104,6 +129,74 @@ class SamplerOutput:
             else SampledToken(token_id=t, logprob=lp, top_token_ids=ids[:n], top_logprobs=lps[:n])
             for t, n, lp, ids, lps in zip(token_ids, batch.num_logprobs, logprobs, top_ids, top_lps)
         ]
+
+
+class TokenCounts:
+    """Per-request token counts on the device, for penalties: how often each token appears in the output,
+    and whether it appears in the prompt. One row per request that has penalties, kept between steps and
+    updated with one scatter per step for the whole batch.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.rows: dict[str, int] = {}
+        self.free_rows: list[int] = []
+
+    def add(self, request_id: str) -> None:
+        if not self.free_rows:
+            # Doubling keeps the number of reallocations logarithmic in the peak number of such requests.
+            old = self.output_counts.shape[0]
+            new = max(2 * old, 8)
+            self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(new - old, self.vocab_size)])
+            self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(new - old, self.vocab_size)])
+            self.free_rows.extend(range(new - 1, old - 1, -1))
+        row = self.free_rows.pop()
+        self.output_counts[row] = 0
+        self.in_prompt[row] = False
+        self.rows[request_id] = row
+
+    def remove(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.free_rows.append(row)
+
+    def clear(self) -> None:
+        self.free_rows.extend(self.rows.values())
+        self.rows.clear()
+
+    def record(self, request_ids: list[str], token_ids: list[int], is_output: list[bool]) -> None:
+        """Counts a step's tokens of every tracked request at once (flattened: request_ids[i] saw
+        token_ids[i], an output token when is_output[i])."""
+        if not request_ids:
+            return
+        rows = torch.tensor([self.rows[r] for r in request_ids], device=self.device)
+        tokens = torch.tensor(token_ids, device=self.device)
+        output = torch.tensor(is_output, device=self.device)
+        self.output_counts.index_put_((rows[output], tokens[output]),
+                                      torch.ones((), dtype=torch.int32, device=self.device), accumulate=True)
+        self.in_prompt.index_put_((rows[~output], tokens[~output]), torch.ones((), dtype=torch.bool, device=self.device))
+
+    def gather(self, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P, V] output counts and [P, V] in-prompt flags of these requests."""
+        rows = torch.tensor([self.rows[r] for r in request_ids], device=self.device)
+        return self.output_counts[rows], self.in_prompt[rows]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, output_counts: torch.Tensor,
+                    in_prompt: torch.Tensor) -> None:
+    """vLLM's penalties, in place on the batch's penalty rows: repetition over every token seen (divide a
+    positive logit, multiply a negative one), then frequency (per occurrence) and presence (once) over the
+    output tokens."""
+    rows = batch.penalty_rows
+    sub = logits[rows]
+    counts = output_counts.to(sub.dtype)
+    in_output = output_counts > 0
+    rep = batch.repetition_penalty
+    sub = torch.where(in_output | in_prompt, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= batch.frequency_penalty * counts + batch.presence_penalty * in_output
+    logits[rows] = sub
 
 
 def _top_k_threshold(desc_values: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -144,17 +237,33 @@ def filter_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor | Sequence[int]
+        self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor | Sequence[int],
+        penalty_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+        grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> SamplerOutput:
         """logits [B, V] (any float dtype; compute in float32). positions[i] = the sequence position of
-        the token row i is sampling (used with the seed)."""
+        the token row i is sampling (used with the seed). penalty_counts: output counts and in-prompt flags
+        of the batch's penalty rows (TokenCounts.gather). grammar_mask: a [B, ceil(V / 32)] int32 token
+        bitmask and the rows it applies to (a grammar's allowed tokens)."""
         raw = logits.float()
+        adjusted = raw
+        if batch.bias_rows is not None or batch.penalty_rows is not None or grammar_mask is not None:
+            adjusted = raw.clone()  # logprobs stay those of the model's own distribution
+            if batch.bias_rows is not None:
+                adjusted.index_put_((batch.bias_rows, batch.bias_token_ids), batch.bias_values, accumulate=True)
+            if batch.penalty_rows is not None:
+                apply_penalties(adjusted, batch, *penalty_counts)
+            if grammar_mask is not None:
+                import xgrammar
+
+                bitmask, rows = grammar_mask
+                xgrammar.apply_token_bitmask_inplace(adjusted, bitmask.to(adjusted.device), indices=rows)
         if batch.all_greedy:
-            token_ids = raw.argmax(dim=-1)
+            token_ids = adjusted.argmax(dim=-1)
         else:
-            token_ids = self._sample(raw, batch, positions)
+            token_ids = self._sample(adjusted, batch, positions)
             if batch.any_greedy:
-                token_ids = torch.where(batch.greedy, raw.argmax(dim=-1), token_ids)
+                token_ids = torch.where(batch.greedy, adjusted.argmax(dim=-1), token_ids)
         if batch.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
         # Raw logprobs, as vLLM reports by default: the model's distribution before temperature and filters.

@@ -1,4 +1,4 @@
-"""python -m frontend --port 50051 --scheduler 127.0.0.1:50052"""
+"""python -m frontend --port 50051 --scheduler 127.0.0.1:50052 [--http-address 127.0.0.1:8000]"""
 from __future__ import annotations
 
 from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, parse
@@ -7,6 +7,7 @@ from pagedserve.v1 import generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "scheduler", "startup_timeout", "max_streams", "max_message_bytes",
+                    "http_address", "served_model_name",
                     "max_prompt_chars", "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file",
                     "internal_token_file"),
     ModelConfig: ("tokenizer",),
@@ -37,7 +38,22 @@ def main(argv: list[str] | None = None) -> None:
     max_prompt_chars = serving.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * info.max_model_len
     servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
-    service.serve_until_signalled(on_stop=link.close)
+    http = None
+    if serving.http_address:
+        from frontend.http_server import HttpServer, OpenAIServer
+
+        api = OpenAIServer(link, tokenizer, serving.served_model_name or info.model, info.max_model_len,
+                           info.vocab_size, max_prompt_chars, security.api_key_ok if security.api_keys else None)
+        http = HttpServer(api.app, serving.http_address, serving.log_level, serving.tls_cert, serving.tls_key,
+                          serving.tls_client_ca)
+        http.start()
+
+    def stop() -> None:
+        if http is not None:
+            http.stop()
+        link.close()
+
+    service.serve_until_signalled(on_stop=stop)
     scheduler_channel.close()
 
 

@@ -14,16 +14,21 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from frontend.generation import GenerateCall, GenerateError
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
-from pagedserve.convert import FINISH_REASON_NAMES, FINISH_REASONS, sampling_to_proto
-from pagedserve.output import RequestOutputState
+from pagedserve.convert import FINISH_REASONS, request_output_from_proto, sampling_to_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2
+from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2
 
 logger = logging.getLogger(__name__)
 
 # How often a waiting stream checks that its client is still there (cancellation also arrives as a callback).
 POLL_S = 1.0
+GRPC_CODES = {
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "error": grpc.StatusCode.INTERNAL,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+}
 # Between attempts to reopen the stream to the scheduler (on top of the channel's own reconnect backoff).
 RECONNECT_MIN_S = 0.1
 RECONNECT_MAX_S = 2.0
@@ -34,7 +39,7 @@ class _InFlight:
     """A submitted request as the link remembers it, to re-submit it to a restarted scheduler."""
 
     add: scheduler_pb2.AddRequest
-    inbox: queue.SimpleQueue
+    inbox: "queue.SimpleQueue | object"  # anything with put(): outputs go there as pagedserve.step.RequestOutput
     output_token_ids: list[int] = field(default_factory=list)  # received from the scheduler so far
     done: bool = False  # finished or aborted: never re-submitted
 
@@ -114,18 +119,20 @@ class SchedulerLink:
                             entry.done = True
                         routes.append((entry.inbox, output))
                 for inbox, output in routes:
-                    inbox.put(output)
+                    inbox.put(request_output_from_proto(output))
             return "the scheduler closed the stream"
         except grpc.RpcError as error:
             return f"lost the scheduler: {error.code().name}"
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None, priority: int = 0) -> queue.SimpleQueue:
+               cache_salt: str | None, inbox=None, priority: int = 0):
+        """Sends the request; its outputs go to `inbox` (a new SimpleQueue if not given), which is returned.
+        Several requests may share one inbox: outputs carry their request id."""
         add = scheduler_pb2.AddRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt or "", priority=priority,
         )
         sampling_to_proto(params, add.sampling)
-        entry = _InFlight(add, queue.SimpleQueue())
+        entry = _InFlight(add, queue.SimpleQueue() if inbox is None else inbox)
         with self.lock:
             if self.closing:
                 raise ConnectionError("the frontend is shutting down")
@@ -168,9 +175,14 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         cache_salt=request.cache_salt or None,
         priority=request.priority,
     )
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens",
+                 "repetition_penalty", "json_schema", "n"):
         if sampling.HasField(name):
             setattr(inp, name, getattr(sampling, name))
+    inp.presence_penalty = sampling.presence_penalty
+    inp.frequency_penalty = sampling.frequency_penalty
+    inp.logit_bias = dict(sampling.logit_bias)
+    inp.json_object = sampling.json_object
     which = request.WhichOneof("input")
     if which == "prompt":
         inp.prompt = request.prompt
@@ -213,48 +225,40 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self.in_flight.add(request_id)
         if duplicate:
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
-        internal_id = uuid.uuid4().hex
         try:
-            try:
-                inbox = self.link.submit(internal_id, prompt_ids, params, inp.cache_salt, inp.priority)
-            except ConnectionError as error:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            call = GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, queue.SimpleQueue(),
+                                priority=inp.priority)
             # Whatever ends the call (a client cancel, a deadline, the end of the stream), the scheduler is
             # told; aborting a finished request is a no-op there.
-            context.add_callback(lambda: self.link.abort(internal_id))
+            context.add_callback(call.abort)
             try:
-                state = RequestOutputState(self.tokenizer, prompt_ids, params)
-                yield from self._stream(request_id, internal_id, state, inbox, context)
+                yield from self._stream(request_id, call, context)
+            except GenerateError as error:
+                context.abort(GRPC_CODES[error.kind], str(error))
             finally:
-                self.link.release(internal_id)
+                call.close()
         finally:
             with self.in_flight_lock:
                 self.in_flight.discard(request_id)
 
-    def _stream(self, request_id, internal_id, state: RequestOutputState, inbox, context):
-        while True:
+    @staticmethod
+    def _stream(request_id, call: GenerateCall, context):
+        call.start()
+        while not call.finished:
             try:
-                output = inbox.get(timeout=POLL_S)
+                output = call.inbox.get(timeout=POLL_S)
             except queue.Empty:
                 if not context.is_active():
                     return
                 continue
-            if output is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is shutting down")
-            if output.finish_reason == common_pb2.FINISH_REASON_OVERLOADED:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, output.error or "the server is overloaded")
-            if output.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                context.abort(grpc.StatusCode.INTERNAL, output.error or "request failed")
-            delta = state.update(list(output.new_token_ids), FINISH_REASON_NAMES[output.finish_reason])
-            if delta.abort:
-                self.link.abort(internal_id)
+            delta = call.process(output)
             response = generate_pb2.GenerateResponse(
-                request_id=request_id, token_ids=output.new_token_ids, text=delta.text, logprobs=output.logprobs,
+                request_id=request_id, token_ids=delta.token_ids, text=delta.text, index=delta.index,
             )
-            if delta.finished:
+            for token in delta.logprobs or []:
+                token_to_proto(token, response.logprobs.add())
+            if delta.finish_reason is not None:
                 response.finish_reason = FINISH_REASONS[delta.finish_reason]
                 response.usage.prompt_tokens = delta.usage.prompt_tokens
                 response.usage.completion_tokens = delta.usage.completion_tokens
             yield response
-            if delta.finished:
-                return

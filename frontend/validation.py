@@ -5,6 +5,7 @@ answer INVALID_ARGUMENT with a message the caller can act on.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -43,6 +44,13 @@ class GenerateInput:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict = field(default_factory=dict)
+    json_schema: str | None = None
+    json_object: bool = False
+    n: int = 1
     # Not a sampling parameter: it keeps requests apart in the prefix cache.
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under the scheduler's priority policy
@@ -125,6 +133,9 @@ def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
             seed=inp.seed, max_tokens=inp.max_tokens, min_tokens=inp.min_tokens,
             stop=inp.stop, stop_token_ids=inp.stop_token_ids, ignore_eos=inp.ignore_eos, logprobs=inp.logprobs,
             include_stop_str_in_output=inp.include_stop_str_in_output, skip_special_tokens=inp.skip_special_tokens,
+            presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
+            repetition_penalty=inp.repetition_penalty, logit_bias=inp.logit_bias, json_schema=inp.json_schema,
+            json_object=inp.json_object, n=inp.n,
         )
     except ValueError as e:
         # SamplingParams's messages start with the field name.
@@ -136,7 +147,27 @@ def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
             raise ValidationError(
                 "stop_token_ids", f"stop_token_ids must be below the vocabulary size ({vocab_size}), got {token_id}"
             )
+    beyond = [t for t in params.logit_bias if t >= vocab_size]
+    if beyond:
+        raise ValidationError(
+            "logit_bias", f"logit_bias token ids must be below the vocabulary size ({vocab_size}), got {beyond[0]}")
+    if params.json_schema is not None:
+        _check_json_schema(params.json_schema)
     return params
+
+
+def _check_json_schema(schema: str) -> None:
+    """Refuses here what the executor's grammar compiler would refuse, so that it fails as a bad request."""
+    try:
+        json.loads(schema)
+    except ValueError as e:
+        raise ValidationError("json_schema", f"json_schema is not valid JSON: {e}") from None
+    import xgrammar  # only structured requests pay for the import
+
+    try:
+        xgrammar.Grammar.from_json_schema(schema)
+    except RuntimeError as e:
+        raise ValidationError("json_schema", f"json_schema is not a usable schema: {str(e).strip()}") from None
 
 
 def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_special_tokens: bool) -> list[int]:

@@ -37,6 +37,8 @@ def build_request(prompt=None, *, prompt_token_ids=None, messages=None, request_
             continue
         if isinstance(value, list):
             getattr(request.sampling, name)[:] = value
+        elif isinstance(value, dict):  # logit_bias
+            getattr(request.sampling, name).update(value)
         else:
             setattr(request.sampling, name, value)
     return request

@@ -209,6 +209,9 @@ class ServingConfig(_Config):
     startup_timeout: float = option(600.0, "seconds to wait for the service this one needs (or, for "
                                            "`pagedserve up`, for each service) to come up", min=1.0)
     max_streams: int = option(512, "concurrent Generate streams the frontend serves", min=1)
+    http_address: str = option("127.0.0.1:8000", "host:port of the frontend's OpenAI-compatible HTTP API (empty: "
+                                                 "none; a Stack with port 0 picks a free port)")
+    served_model_name: str | None = option(None, "the model's name on the HTTP API (default: the model's own)")
     restart_backoff: float = option(1.0, "`pagedserve up`: seconds before restarting a service that died; "
                                           "doubles with each rapid failure in a row, up to "
                                           f"{RESTART_BACKOFF_CAP_S:g}", min=0.01)
@@ -237,6 +240,8 @@ class ServingConfig(_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.http_address and not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}", self.http_address):
+            raise ValueError(f"http_address must be host:port, got {self.http_address!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_cert is None and (self.tls_ca or self.tls_client_ca):

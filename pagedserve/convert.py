@@ -49,13 +49,25 @@ def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | N
     out.ignore_eos = params.ignore_eos
     if params.logprobs is not None:
         out.logprobs = params.logprobs
+    out.presence_penalty = params.presence_penalty
+    out.frequency_penalty = params.frequency_penalty
+    if params.repetition_penalty != 1.0:
+        out.repetition_penalty = params.repetition_penalty
+    out.logit_bias.clear()
+    out.logit_bias.update(params.logit_bias)
+    if params.json_schema is not None:
+        out.json_schema = params.json_schema
+    out.json_object = params.json_object
+    if params.n != 1:
+        out.n = params.n
     return out
 
 
 def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: int | None = 16) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; raises ValueError naming a bad field."""
     fields = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty", "json_schema",
+                 "n"):
         if message.HasField(name):
             fields[name] = getattr(message, name)
     fields["max_tokens"] = message.max_tokens if message.HasField("max_tokens") else default_max_tokens
@@ -64,6 +76,10 @@ def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: 
         min_tokens=message.min_tokens,
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        logit_bias=dict(message.logit_bias),
+        json_object=message.json_object,
     )
 
 
@@ -179,6 +195,7 @@ def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
         if r.sampling_params is not None:
             sampling_to_proto(r.sampling_params, item.sampling)
             item.prompt_len = r.prompt_len
+            item.prefix_token_ids[:] = r.prefix_token_ids
         _transfers_to_proto(r.load_blocks, item.load_blocks)
     return out
 
@@ -202,6 +219,7 @@ def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteS
             sampling_params=params,
             prompt_len=r.prompt_len,
             load_blocks=_transfers_from_proto(r.load_blocks),
+            prefix_token_ids=list(r.prefix_token_ids),
         ))
     step = ExecuteStep(
         requests=requests,
@@ -237,6 +255,18 @@ def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteRes
 
 
 # --------------------------------------------------------------------------- scheduler -> frontend
+
+
+def request_output_from_proto(message: scheduler_pb2.RequestOutput) -> RequestOutput:
+    return RequestOutput(
+        request_id=message.request_id,
+        new_token_ids=list(message.new_token_ids),
+        new_logprobs=[token_from_proto(t) for t in message.logprobs] or None,
+        finish_reason=FINISH_REASON_NAMES[message.finish_reason],
+        num_prompt_tokens=message.num_prompt_tokens,
+        num_output_tokens=message.num_output_tokens,
+        error=message.error or None,
+    )
 
 
 def request_output_to_proto(output: RequestOutput, out: scheduler_pb2.RequestOutput) -> scheduler_pb2.RequestOutput:

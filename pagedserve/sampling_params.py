@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 # Every stop string is searched for in every text delta, so their number is bounded.
 MAX_STOP_STRINGS = 16
+# OpenAI's bounds: a bias of +-100 already bans or forces a token, and the penalties' range is theirs.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_PENALTY = 2.0
+# Siblings share one prompt's prefill; each is a request of its own in the back end.
+MAX_N = 16
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by a temperature of 1e-38 would
 # overflow them to infinities, whose softmax is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -28,6 +34,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # return the chosen token's logprob and this many top logprobs
+    # vLLM's (and OpenAI's) penalties: presence and frequency over the output tokens, repetition over the
+    # prompt and output tokens (logits divided by it when positive, multiplied when negative).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Structured output: the output is JSON that validates against this schema (JSON text), or any JSON
+    # object with json_object; the executor masks every token the grammar does not allow.
+    json_schema: str | None = None
+    json_object: bool = False
+    # Choices from one prompt. The frontend turns them into n requests of one choice each (sharing the
+    # prompt's KV blocks); the scheduler and the executor only ever see n = 1.
+    n: int = 1
     # Output processing (pagedserve.output), applied where token ids become text; the scheduler and
     # the executor never look at these.
     include_stop_str_in_output: bool = False
@@ -79,9 +98,58 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= MAX_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
+        self._check_logit_bias()
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError(f"json_schema must be a JSON text, got {type(self.json_schema).__name__}")
+        _check_bool("json_object", self.json_object)
+        if self.json_object and self.json_schema is not None:
+            raise ValueError("json_object and json_schema are exclusive")
+        _check_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError("logit_bias must map token ids to numbers")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+        bias = {}
+        for token_id, value in self.logit_bias.items():
+            # JSON object keys are strings: OpenAI's clients send {"50256": -100}.
+            if isinstance(token_id, str) and token_id.isdigit():
+                token_id = int(token_id)
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+            _check_number("logit_bias", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}")
+            bias[token_id] = float(value)
+        self.logit_bias = bias
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def structured(self) -> bool:
+        return self.json_object or self.json_schema is not None
+
+    @property
+    def needs_token_history(self) -> bool:
+        """The executor must see every token of the request (penalties count them, a grammar follows the
+        output), including those of a cached prefix that it never computes."""
+        return self.has_penalties or self.structured
 
 
 def _check_number(name: str, value: object) -> None:

@@ -76,6 +76,10 @@ class Security:
         return cls(cert=_read(serving.tls_cert), key=_read(serving.tls_key), ca=_read(serving.tls_ca),
                    client_ca=_read(serving.tls_client_ca), internal_token=token, api_keys=tuple(keys))
 
+    def api_key_ok(self, authorization: str) -> bool:
+        """Whether an `authorization` header value carries one of the API keys (always, when there are none)."""
+        return not self.api_keys or _bearer_ok({"authorization": authorization}, self.api_keys)
+
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if self.cert is None:
             return None

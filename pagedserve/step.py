@@ -109,6 +109,9 @@ class ExecuteRequest:
     # Blocks to fill from the offload tier before computing: they hold the first len(load_blocks) *
     # block_size of token_ids, which are computed only if a load fails.
     load_blocks: list[BlockTransfer] = field(default_factory=list)
+    # Sent with sampling_params when the sampling follows every token (sampling_params.needs_token_history):
+    # the tokens before start_position, which the executor does not compute (a cached prefix).
+    prefix_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -302,6 +302,8 @@ class Scheduler:
             sampling_params=request.sampling_params if admitted else None,
             prompt_len=len(request.prompt_token_ids) if admitted else 0,
             load_blocks=loads,
+            prefix_token_ids=(request.token_ids(0, start)
+                              if admitted and request.sampling_params.needs_token_history else []),
         )
 
     def _preempt(self, request: Request) -> None:

@@ -25,7 +25,7 @@ UP_SECTIONS = {
     ModelConfig: None, CacheConfig: None, SchedulerConfig: None,
     ServingConfig: ("host", "port", "log_level", "startup_timeout", "max_streams", "restart_backoff", "max_restarts",
                     "max_message_bytes", "max_prompt_chars", "tls_cert", "tls_key", "tls_ca", "tls_client_ca",
-                    "api_key_file", "internal_token_file"),
+                    "api_key_file", "internal_token_file", "http_address", "served_model_name"),
 }
 
 
@@ -50,6 +50,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pagedserve is serving the Generate API on {stack.address} (Ctrl-C stops it)", flush=True)
         address = "" if stack.address == DEFAULT_ADDRESS else f" --address {stack.address}"
         print(f'try: pagedserve generate{address} --chat --temperature 0 "What is the capital of France?"', flush=True)
+        if stack.http_url:
+            print(f"and the OpenAI-compatible HTTP API on {stack.http_url}/v1", flush=True)
         while not stopping.wait(0.5):
             if stack.supervisor.gave_up.is_set():
                 print("stopping every service ...", flush=True)

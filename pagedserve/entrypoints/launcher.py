@@ -38,8 +38,9 @@ class Stack:
     """The running services, supervised: one that dies is restarted on the same address (see
     supervisor.py). Use as a context manager, or call start() and stop().
 
-    Port 0 (serving_config.port) serves the public API on a free port; the internal ports are always free
-    ones, on the loopback interface whatever host the public API listens on. Without an internal token file
+    Port 0 (serving_config.port) serves the public APIs (gRPC, and HTTP on http_address's host) on free
+    ports, as does an http_address with port 0; the internal ports are always free ones, on the loopback
+    interface whatever host the public API listens on. Without an internal token file
     the stack makes its own secret, handed to the services in their environment.
     """
 
@@ -49,6 +50,13 @@ class Stack:
         self.addresses = {module: f"127.0.0.1:{free_port()}" for module in SERVICES}
         self.addresses["frontend"] = f"{host}:{config.serving_config.listen_port('frontend') or free_port(host)}"
         self.address = self.addresses["frontend"]
+        http = config.serving_config.http_address
+        if http:
+            http_host, http_port = http.rsplit(":", 1)
+            if config.serving_config.port == 0 or http_port == "0":
+                http = f"{http_host}:{free_port(http_host.strip('[]'))}"
+        self.http_address = http  # empty: no HTTP API
+        self.http_url = f"http://{http}" if http else ""
         self.executor_address = self.addresses["executor_svc"]
         self.kvcache_address = self.addresses["kvcache_svc"]
         self.scheduler_address = self.addresses["scheduler_svc"]
@@ -69,7 +77,7 @@ class Stack:
         """The flags that give a service this stack's configuration: the flags its own parser declares."""
         host, port = self.addresses[module].rsplit(":", 1)
         serving = dataclasses.replace(
-            self.config.serving_config, host=host, port=int(port),
+            self.config.serving_config, host=host, port=int(port), http_address=self.http_address,
             executor=self.executor_address, kvcache=self.kvcache_address, scheduler=self.scheduler_address,
         )
         return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_position", "new_block_ids", "sample", "sampling", "prompt_len", "load_blocks")
+    __slots__ = ("request_id", "token_ids", "start_position", "new_block_ids", "sample", "sampling", "prompt_len", "load_blocks", "prefix_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ExecuteRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
@@ -24,7 +25,8 @@ class ExecuteRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     prompt_len: int
     load_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
+    prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteStep(_message.Message):
     __slots__ = ("requests", "finished_request_ids", "save_blocks", "save_blocks_after", "executor_epoch", "scheduler_id")

@@ -92,6 +92,28 @@ def test_the_api_key_is_required_but_health_stays_open(stack, pki):
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_the_http_api_serves_tls_and_requires_the_api_key_but_health_stays_open(stack, pki):
+    import ssl
+
+    import httpx
+    import openai
+
+    verify = ssl.create_default_context(cafile=pki["services_ca"])
+    verify.load_cert_chain(*pki["client"])
+    with httpx.Client(base_url=stack.http_url.replace("http://", "https://"), verify=verify,
+                      timeout=30) as https:
+        assert https.get("/health").status_code == 200
+        refused = https.get("/v1/models", headers={"authorization": "Bearer sk-wrong"})
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert https.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 401
+        client = openai.OpenAI(base_url=f"{https.base_url}/v1", api_key=API_KEY, http_client=https, max_retries=0)
+        completion = client.completions.create(model=stack.config.model_config.model, prompt=[1, 2, 3], max_tokens=2,
+                                               temperature=0)
+        assert completion.usage.completion_tokens == 2
+    with pytest.raises(httpx.TransportError):  # no plain HTTP beside TLS
+        httpx.get(f"{stack.http_url}/health", timeout=5)
+
+
 def test_an_internal_rpc_without_the_secret_is_refused(stack, pki):
     request = kvcache_pb2.KVCacheStatsRequest()
     no_token = Security(cert=stack.security.cert, key=stack.security.key, ca=stack.security.ca)

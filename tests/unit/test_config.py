@@ -32,6 +32,7 @@ CHANGED = PagedServeConfig(
                     scheduling_policy="priority", long_prefill_token_threshold=64, max_num_partial_prefills=2),
     ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",
                   startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2,
+                  http_address="0.0.0.0:8080", served_model_name="my-model",
                   max_message_bytes=1 << 20, max_prompt_chars=999,
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
                   internal_token_file=A_FILE),
@@ -164,6 +165,7 @@ def test_the_try_hint_names_a_non_default_address(monkeypatch, capsys):
     class FakeStack:
         def __init__(self, config):
             self.address = f"{config.serving_config.host}:{config.serving_config.port or 50051}"
+            self.http_url = f"http://{config.serving_config.http_address}" if config.serving_config.http_address else ""
 
         def __enter__(self):
             return self
@@ -177,6 +179,10 @@ def test_the_try_hint_names_a_non_default_address(monkeypatch, capsys):
     assert "try: pagedserve generate --chat" in capsys.readouterr().out
     cli.main(["up", "--device", "cpu", "--port", "6000"])
     assert "try: pagedserve generate --address 127.0.0.1:6000 --chat" in capsys.readouterr().out
+    cli.main(["up", "--device", "cpu"])
+    assert "OpenAI-compatible HTTP API on http://127.0.0.1:8000/v1" in capsys.readouterr().out
+    cli.main(["up", "--device", "cpu", "--http-address", ""])
+    assert "HTTP API" not in capsys.readouterr().out
 
 
 def test_cpu_kv_cache_is_sized_from_the_workload_and_capped(monkeypatch):

@@ -403,3 +403,66 @@ def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p) -> None:
     # top_p rounds to 0 (or the least subnormal) in float32: only the top token may survive.
     out = sample(logits, [SamplingParams(temperature=1.0, top_p=top_p)] * 4, positions=[0, 1, 2, 3])
     assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_bias_and_penalties_match_a_per_row_reference_and_leave_other_rows_alone():
+    from executor_svc.sampler import TokenCounts, apply_penalties
+
+    vocab = 12
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab) * 3
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25,
+                       logit_bias={4: 2.0}),
+        SamplingParams(temperature=0),  # pays nothing
+        SamplingParams(temperature=0, frequency_penalty=-1.0, logit_bias={0: -100.0, 7: 1.5}),
+    ]
+    prompts = {"a": [1, 2, 3], "c": [5]}
+    outputs = {"a": [3, 3, 9], "c": [6, 6, 6, 2]}
+    counts = TokenCounts(vocab, "cpu")
+    flat_ids, flat_tokens, flat_output = [], [], []
+    for rid in ("a", "c"):
+        counts.add(rid)
+        for tokens, is_output in ((prompts[rid], False), (outputs[rid], True)):
+            flat_ids += [rid] * len(tokens)
+            flat_tokens += tokens
+            flat_output += [is_output] * len(tokens)
+    counts.record(flat_ids, flat_tokens, flat_output)
+
+    batch = SamplingBatch.build(params)
+    adjusted = logits.clone()
+    adjusted.index_put_((batch.bias_rows, batch.bias_token_ids), batch.bias_values, accumulate=True)
+    apply_penalties(adjusted, batch, *counts.gather(["a", "c"]))
+
+    expected = logits.clone()
+    for row, rid in ((0, "a"), (2, "c")):
+        p = params[row]
+        for token, bias in p.logit_bias.items():
+            expected[row, token] += bias
+        for token in range(vocab):
+            seen = token in prompts[rid] or token in outputs[rid]
+            value = expected[row, token]
+            if seen:
+                value = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+            n = outputs[rid].count(token)
+            value = value - p.frequency_penalty * n - p.presence_penalty * (n > 0)
+            expected[row, token] = value
+    torch.testing.assert_close(adjusted, expected)
+    assert torch.equal(adjusted[1], logits[1])
+
+    # A freed row is handed out again zeroed.
+    counts.remove("a")
+    counts.add("d")
+    assert counts.gather(["d"])[0].sum() == 0 and not counts.gather(["d"])[1].any()
+
+
+def test_sampler_picks_under_the_adjusted_logits_and_reports_the_raw_logprobs():
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    batch = SamplingBatch.build([SamplingParams(temperature=0, logit_bias={1: 5.0}, logprobs=1)])
+    out = Sampler()(logits, batch, [0])
+    assert out.token_ids.tolist() == [1]
+    assert out.top_token_ids.tolist() == [[2]]  # the model's own distribution
+    mask = torch.zeros(1, 1, dtype=torch.int32)
+    mask[0, 0] = 1 << 3  # the grammar allows token 3 alone
+    out = Sampler()(logits, SamplingBatch.build([SamplingParams(temperature=0)]), [0], grammar_mask=(mask, [0]))
+    assert out.token_ids.tolist() == [3]

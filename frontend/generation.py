@@ -1,0 +1,117 @@
+"""One generate call with its n choices, for either public API (gRPC and HTTP): submit to the scheduler
+link, turn each output into a text delta, and know when every choice has ended.
+
+Choices of one prompt share its KV blocks through the prefix cache. The block manager indexes a block only
+after the step that computed it has run, so siblings admitted in the same step as the first choice would
+each compute the prompt again. The first choice therefore goes alone; the others are submitted when its
+first token arrives, which is after its whole prompt has been computed, and are admitted on its blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.output import RequestOutputState, Usage
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import RequestOutput, SampledToken
+
+# Seeds are int64 on the wire.
+_SEED_MODULUS = 1 << 63
+
+
+class GenerateError(Exception):
+    """The call cannot go on. kind: "overloaded" (the scheduler refused it), "error" (the request failed in
+    the back end) or "unavailable" (the frontend is shutting down)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[SampledToken] | None
+    finish_reason: str | None = None  # on the choice's last delta
+    usage: Usage | None = None  # of this choice, on its last delta
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """What choice `index` runs with: one choice each, and seeded choices seeded apart so that they differ
+    from each other and are each reproducible."""
+    seed = None if params.seed is None else (params.seed + index) % _SEED_MODULUS
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+class GenerateCall:
+    """Feed it every output the link routes to `inbox` (anything with put()); it submits the siblings at the
+    right time and returns the text deltas. Call close() when done, whatever happened: it aborts the
+    choices still running and forgets them on the link."""
+
+    def __init__(self, link, tokenizer: Any, prompt_ids: list[int], params: SamplingParams,
+                 cache_salt: str | None, inbox, priority: int = 0) -> None:
+        self.link, self.prompt_ids, self.params, self.cache_salt, self.inbox = link, prompt_ids, params, cache_salt, inbox
+        self.priority = priority
+        # The scheduler sees fresh ids: a client may reuse its own the moment its call ends.
+        self.ids = [uuid.uuid4().hex for _ in range(params.n)]
+        self.index = {request_id: i for i, request_id in enumerate(self.ids)}
+        self.states = [RequestOutputState(tokenizer, prompt_ids, params) for _ in range(params.n)]
+        self.submitted: list[str] = []
+        self.ended: set[str] = set()
+        self.cancelled = False
+
+    def start(self) -> None:
+        """Submits the first choice; raises GenerateError("unavailable") when the link is closing."""
+        self._submit(0)
+
+    def _submit(self, index: int) -> None:
+        if self.cancelled:
+            return
+        try:
+            self.link.submit(self.ids[index], self.prompt_ids, choice_params(self.params, index), self.cache_salt,
+                             self.inbox, self.priority)
+        except ConnectionError as error:
+            raise GenerateError("unavailable", str(error)) from None
+        self.submitted.append(self.ids[index])
+
+    @property
+    def finished(self) -> bool:
+        return len(self.ended) == len(self.ids)
+
+    def process(self, output: RequestOutput | None) -> ChoiceDelta:
+        """The delta of one routed output (None: the link closed); raises GenerateError."""
+        if output is None:
+            raise GenerateError("unavailable", "the frontend is shutting down")
+        if output.finish_reason == "overloaded":
+            raise GenerateError("overloaded", output.error or "the server is overloaded")
+        if output.finish_reason == "error":
+            raise GenerateError("error", output.error or "request failed")
+        index = self.index[output.request_id]
+        if index == 0 and len(self.submitted) == 1:
+            # The first choice's prompt is computed (it has sampled), and its blocks are indexed in the step
+            # that admits these.
+            for sibling in range(1, len(self.ids)):
+                self._submit(sibling)
+        delta = self.states[index].update(output.new_token_ids, output.finish_reason)
+        if delta.abort:
+            self.link.abort(output.request_id)
+        if delta.finished:
+            self.ended.add(output.request_id)
+        return ChoiceDelta(index, output.new_token_ids, delta.text, output.new_logprobs, delta.finish_reason,
+                           delta.usage)
+
+    def abort(self) -> None:
+        """Aborts the choices still running (the client went away). Safe from any thread."""
+        self.cancelled = True
+        for request_id in list(self.submitted):
+            if request_id not in self.ended:
+                self.link.abort(request_id)
+
+    def close(self) -> None:
+        self.abort()
+        for request_id in self.submitted:
+            self.link.release(request_id)

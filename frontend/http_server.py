@@ -1,0 +1,497 @@
+"""The OpenAI-compatible HTTP API, served by the frontend beside its gRPC API and sharing its tokenizer,
+validation (frontend/validation.py) and stream to the scheduler (GenerateCall over the SchedulerLink).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both streaming as server-sent events), GET
+/v1/models, GET /health, POST /tokenize, POST /detokenize. Errors have OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}; a client that disconnects aborts its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable, Literal
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
+
+from frontend.generation import ChoiceDelta, GenerateCall, GenerateError
+from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting request checks that its client is still connected.
+DISCONNECT_POLL_S = 0.5
+# Request fields whose name differs on this API from the validation's (GenerateInput's).
+HTTP_PARAM = {"json_schema": "response_format", "json_object": "response_format", "request_id": "X-Request-Id",
+              "prompt_token_ids": "prompt"}
+ERROR_STATUS = {"overloaded": 429, "error": 500, "unavailable": 503}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "error"), "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+# ------------------------------------------------------------------------------------------ request bodies
+# Strict: a string where a number belongs is refused, not converted. Unknown fields are ignored, as OpenAI's
+# own clients send a few this server has no use for.
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict = pydantic.Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] = {}
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        where = ".".join(loc)
+        raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"], loc[0] if loc else None,
+                       first["type"]) from None
+
+
+# ------------------------------------------------------------------------------------------ the API
+
+class OpenAIServer:
+    def __init__(self, link, tokenizer: Any, served_model_name: str, max_model_len: int, vocab_size: int,
+                 max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None) -> None:
+        """api_key_ok: checks an `authorization` header's value; None: the API is open."""
+        self.link, self.tokenizer = link, tokenizer
+        self.model_name, self.max_model_len, self.vocab_size = served_model_name, max_model_len, vocab_size
+        self.max_prompt_chars, self.api_key_ok = max_prompt_chars, api_key_ok
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="pagedserve", openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            if self.api_key_ok is not None and request.url.path != "/health":
+                if not self.api_key_ok(request.headers.get("authorization", "")):
+                    return error_response(401, "a valid API key is required: authorization: Bearer <key>",
+                                          code="invalid_api_key")
+            return await call_next(request)
+
+        @app.exception_handler(APIError)
+        async def api_error(_request, error: APIError):
+            return error_response(error.status, str(error), error.param, error.code)
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_request, error: HTTPException):
+            return error_response(error.status_code, str(error.detail))
+
+        @app.exception_handler(Exception)
+        async def unexpected(_request, error: Exception):
+            logger.exception("HTTP request failed")
+            return error_response(500, f"internal error: {type(error).__name__}")
+
+        app.get("/health")(self.health)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        return app
+
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+            "root": self.model_name, "max_model_len": self.max_model_len,
+        }]}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    # ---------------------------------------------------------------- tokenize
+
+    async def tokenize(self, request: Request) -> dict:
+        body = parse_body(TokenizeRequest, await request.body())
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "exactly one of prompt and messages must be set", "prompt")
+        if body.prompt is not None:
+            if len(body.prompt) > self.max_prompt_chars:
+                raise APIError(400, f"prompt is {len(body.prompt)} characters, at most {self.max_prompt_chars} "
+                                    "are accepted", "prompt")
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            inp = GenerateInput(request_id="tokenize", messages=_messages(body.messages), max_tokens=None)
+            ids = self._validate(inp)[0]
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": self.max_model_len}
+
+    async def detokenize(self, request: Request) -> dict:
+        body = parse_body(DetokenizeRequest, await request.body())
+        self._check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens must be in [0, {self.vocab_size}), got {bad[0]}", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    # ---------------------------------------------------------------- generation
+
+    def _validate(self, inp: GenerateInput) -> tuple[list[int], Any]:
+        try:
+            return validate_and_tokenize(inp, self.tokenizer, self.max_model_len, self.vocab_size,
+                                         max_prompt_chars=self.max_prompt_chars)
+        except ValidationError as error:
+            raise APIError(400, str(error), HTTP_PARAM.get(error.field, error.field)) from None
+
+    def _sampling_input(self, body: _Sampling, request: Request) -> GenerateInput:
+        self._check_model(body.model)
+        inp = GenerateInput(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex)
+        for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "min_tokens",
+                     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                     "skip_special_tokens", "include_stop_str_in_output", "cache_salt"):
+            setattr(inp, name, getattr(body, name))
+        inp.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if body.response_format is not None and body.response_format.type == "json_object":
+            inp.json_object = True
+        elif body.response_format is not None and body.response_format.type == "json_schema":
+            if body.response_format.json_schema is None:
+                raise APIError(400, "response_format of type json_schema needs json_schema", "response_format")
+            inp.json_schema = json.dumps(body.response_format.json_schema.schema_)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream", "stream_options")
+        return inp
+
+    async def completions(self, request: Request):
+        body = parse_body(CompletionRequest, await request.body())
+        inp = self._sampling_input(body, request)
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported", "echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            inp.prompt = prompt
+        else:
+            inp.prompt_token_ids = prompt
+        inp.max_tokens, inp.logprobs = body.max_tokens, body.logprobs
+        prompt_ids, params = self._validate(inp)
+        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else None
+        response_id = f"cmpl-{inp.request_id}"
+        call = self._call(prompt_ids, params, inp)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return self._sse(request, call, response_id, inp.request_id,
+                             lambda delta, first: self._completion_chunk(response_id, delta, echo if first else None),
+                             "text_completion", include_usage)
+        deltas = await self._collect(request, call)
+        choices = []
+        for index in range(params.n):
+            mine = [d for d in deltas if d.index == index]
+            choice = {"index": index, "text": (echo or "") + "".join(d.text for d in mine), "logprobs": None,
+                      "finish_reason": mine[-1].finish_reason}
+            if params.logprobs is not None:
+                choice["logprobs"] = self._completion_logprobs([t for d in mine for t in d.logprobs or []])
+            choices.append(choice)
+        return self._json({"id": response_id, "object": "text_completion", "created": int(time.time()),
+                           "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
+
+    async def chat_completions(self, request: Request):
+        body = parse_body(ChatRequest, await request.body())
+        inp = self._sampling_input(body, request)
+        inp.messages = _messages(body.messages)
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        inp.max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
+        if body.logprobs:
+            inp.logprobs = body.top_logprobs or 0
+        try:
+            prompt_ids, params = self._validate(inp)
+        except APIError as error:
+            if error.param == "logprobs":
+                error.param = "top_logprobs"
+            raise
+        response_id = f"chatcmpl-{inp.request_id}"
+        call = self._call(prompt_ids, params, inp)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return self._sse(request, call, response_id, inp.request_id,
+                             lambda delta, first: self._chat_chunk(delta, first),
+                             "chat.completion.chunk", include_usage)
+        deltas = await self._collect(request, call)
+        choices = []
+        for index in range(params.n):
+            mine = [d for d in deltas if d.index == index]
+            choices.append({
+                "index": index, "message": {"role": "assistant", "content": "".join(d.text for d in mine)},
+                "logprobs": ({"content": self._chat_logprobs([t for d in mine for t in d.logprobs or []])}
+                             if params.logprobs is not None else None),
+                "finish_reason": mine[-1].finish_reason,
+            })
+        return self._json({"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                           "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
+
+    def _call(self, prompt_ids, params, inp: GenerateInput) -> GenerateCall:
+        return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, _AsyncInbox())
+
+    @staticmethod
+    def _json(body: dict, request_id: str) -> JSONResponse:
+        return JSONResponse(body, headers={"X-Request-Id": request_id})
+
+    async def _deltas(self, request: Request, call: GenerateCall):
+        """The call's deltas as they come; aborts the call when the client disconnects."""
+        try:
+            call.start()
+            while not call.finished:
+                try:
+                    output = await asyncio.wait_for(call.inbox.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        call.abort()
+                        return
+                    continue
+                yield call.process(output)
+        except GenerateError as error:
+            raise APIError(ERROR_STATUS[error.kind], str(error)) from None
+        finally:
+            call.close()
+
+    async def _collect(self, request: Request, call: GenerateCall) -> list[ChoiceDelta]:
+        return [delta async for delta in self._deltas(request, call)]
+
+    def _sse(self, request: Request, call: GenerateCall, response_id: str, request_id: str, chunk,
+             obj: str, include_usage: bool) -> StreamingResponse:
+        created = int(time.time())
+
+        def frame(choices: list[dict], usage: dict | None = None) -> str:
+            body = {"id": response_id, "object": obj, "created": created, "model": self.model_name,
+                    "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def events():
+            started: set[int] = set()
+            deltas = []
+            try:
+                async for delta in self._deltas(request, call):
+                    deltas.append(delta)
+                    yield frame([chunk(delta, delta.index not in started)])
+                    started.add(delta.index)
+            except APIError as error:
+                body = {"error": {"message": str(error), "type": ERROR_TYPE.get(error.status, "error"),
+                                  "param": error.param, "code": error.code}}
+                yield f"data: {json.dumps(body)}\n\n"
+            else:
+                if include_usage:
+                    yield frame([], _usage(deltas))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
+
+    def _completion_chunk(self, response_id: str, delta: ChoiceDelta, echo: str | None) -> dict:
+        return {"index": delta.index, "text": (echo or "") + delta.text,
+                "logprobs": self._completion_logprobs(delta.logprobs) if delta.logprobs else None,
+                "finish_reason": delta.finish_reason}
+
+    def _chat_chunk(self, delta: ChoiceDelta, first: bool) -> dict:
+        message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+        return {"index": delta.index, "delta": message,
+                "logprobs": {"content": self._chat_logprobs(delta.logprobs)} if delta.logprobs else None,
+                "finish_reason": delta.finish_reason}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _completion_logprobs(self, tokens) -> dict:
+        texts = [self._token_text(t.token_id) for t in tokens]
+        offsets, at = [], 0
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        return {
+            "tokens": texts, "token_logprobs": [t.logprob for t in tokens], "text_offset": offsets,
+            "top_logprobs": [{self._token_text(i): lp for i, lp in zip(t.top_token_ids, t.top_logprobs)}
+                             for t in tokens],
+        }
+
+    def _chat_logprobs(self, tokens) -> list[dict]:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return [{**entry(t.token_id, t.logprob),
+                 "top_logprobs": [entry(i, lp) for i, lp in zip(t.top_token_ids, t.top_logprobs)]}
+                for t in tokens]
+
+
+class _AsyncInbox:
+    """The link's side of an HTTP call: outputs put from the link's thread land in an asyncio queue."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the server's loop has closed: nobody waits for it any more
+            pass
+
+
+def _messages(messages: list[Message]) -> list[dict]:
+    out = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out.append({"role": message.role, "content": content or ""})
+    return out
+
+
+def _usage(deltas: list[ChoiceDelta]) -> dict:
+    """Over every choice: the prompt counted once, the completion tokens of all choices."""
+    finished = [d.usage for d in deltas if d.usage is not None]
+    prompt = finished[0].prompt_tokens if finished else 0
+    completion = sum(u.completion_tokens for u in finished)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class HttpServer:
+    """Serves the app with uvicorn on a thread of its own, beside the gRPC server. With tls_cert and tls_key
+    it serves HTTPS only, as the gRPC port serves TLS only; with tls_client_ca it requires client
+    certificates signed by it."""
+
+    def __init__(self, app: FastAPI, address: str, log_level: str, tls_cert: str | None = None,
+                 tls_key: str | None = None, tls_client_ca: str | None = None) -> None:
+        import ssl
+
+        import uvicorn
+
+        host, port = address.rsplit(":", 1)
+        # Bound here, so that a taken port fails the frontend's start with a clear error.
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host.strip("[]"), int(port)))
+        tls = {}
+        if tls_cert is not None:
+            tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key}
+            if tls_client_ca is not None:
+                tls.update(ssl_ca_certs=tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(), access_log=False,
+                                                    timeout_graceful_shutdown=2, **tls))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       name="http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
