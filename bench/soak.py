@@ -34,11 +34,14 @@ def rss_bytes(pid: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=600.0)
-    parser.add_argument("--warmup", type=float, default=60.0, help="seconds before the reference RSS is taken")
+    parser.add_argument("--warmup", type=float, default=120.0,
+                        help="seconds before the reference RSS is taken (allocators reach their high-water mark)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(8, 768))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(4, 128))
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(8, 384))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(4, 96))
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--sample-every", type=float, default=15.0, help="seconds between RSS samples")
     parser.add_argument("--cancel-fraction", type=float, default=0.15)
     parser.add_argument("--drain", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -70,7 +73,7 @@ def main() -> None:
                 cancel_after = rng.randint(1, max_tokens) if rng.random() < args.cancel_fraction else None
                 stream = client.stream(build_request(prompt_token_ids=prompt, temperature=rng.choice([0.0, 0.8]),
                                                      seed=rng.randrange(1 << 30), max_tokens=max_tokens,
-                                                     ignore_eos=True), timeout=args.drain + 60)
+                                                     ignore_eos=True), timeout=args.request_timeout)
                 received, outcome = 0, "completed"
                 try:
                     for response in stream:
@@ -93,7 +96,10 @@ def main() -> None:
         time.sleep(args.warmup)
         rss_warm = {name: rss_bytes(stack.processes[name].pid) for name in SERVICES}
         pids = {name: stack.processes[name].pid for name in SERVICES}
-        time.sleep(max(0.0, args.duration - (time.monotonic() - started)))
+        samples = []  # (seconds since start, {service: RSS}) every --sample-every, to tell a leak from a plateau
+        while time.monotonic() - started < args.duration:
+            time.sleep(min(args.sample_every, max(0.0, args.duration - (time.monotonic() - started))))
+            samples.append((round(time.monotonic() - started), {n: rss_bytes(stack.processes[n].pid) for n in SERVICES}))
         stop_sending.set()
         for thread in threads:
             thread.join(timeout=args.drain)
@@ -116,6 +122,7 @@ def main() -> None:
         "rss_after_warmup_mib": {k: round(v / 2**20, 1) for k, v in rss_warm.items()},
         "rss_at_end_mib": {k: round(v / 2**20, 1) for k, v in rss_end.items()},
         "rss_growth": {k: round(v, 4) for k, v in growth.items()},
+        "rss_samples_mib": [[t, {k: round(v / 2**20, 1) for k, v in rss.items()}] for t, rss in samples],
         "kv_idle_at_end": pool.num_requests == 0 and pool.num_in_use == 0,
         "kv_in_use_at_end": pool.num_in_use, "kv_requests_at_end": pool.num_requests,
     })
