@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ import numpy as np
 import torch
 
 from executor_svc.attention.layout import BatchLayout
-from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.attention.selection import select_attention_backend
 from executor_svc import cuda_graphs
 from executor_svc.kv_cache import allocate_kv_caches, kv_cache_budget, num_blocks_for_budget
@@ -29,11 +29,20 @@ from executor_svc.model_loader import (
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.offload import HostTier, RedisTier
 from executor_svc.sampler import Sampler, SamplingBatch
-from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_flags
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep
 
 logger = logging.getLogger(__name__)
+
+def _dtype_reason(requested: str, resolved: ModelConfig) -> str:
+    if requested != "auto":
+        return "requested"
+    if resolved.device.startswith("cuda"):
+        return "auto: CUDA"
+    flags = cpu_bf16_flags()
+    return f"auto: the CPU has {', '.join(flags)}" if flags else "auto: the CPU has no native bfloat16 matrix support"
+
 
 class StaleEpoch(Exception):
     """A step planned for another executor instance."""
@@ -57,6 +66,7 @@ class ModelRunner:
         """scheduler_config: its max_num_seqs sizes the CPU KV cache and the CUDA graphs."""
         from transformers import AutoConfig
 
+        requested_dtype = model_config.dtype
         model_config = model_config.resolved()
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
@@ -64,6 +74,10 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         self.device = torch.device(model_config.device)
         self.dtype = parse_dtype(model_config.dtype)
+        logger.info("dtype %s (%s)", model_config.dtype, _dtype_reason(requested_dtype, model_config))
+        if self.device.type == "cpu":
+            torch.set_num_threads(model_config.cpu_threads or len(os.sched_getaffinity(0)))
+            logger.info("%d torch threads", torch.get_num_threads())
         self.block_size = block_size = cache_config.block_size
         self.model_dir = resolve_model_dir(model_config.model)
         self.config = ModelArchitecture.from_hf_config(
@@ -76,9 +90,9 @@ class ModelRunner:
         self.model_id = f"{model_fingerprint(self.model_dir)}|{model_config.dtype}"
 
         backend_cls, reason = select_attention_backend(
-            self.device, model_config.attention_backend, head_dim=self.config.head_dim
+            self.device, model_config.attention_backend, head_dim=self.config.head_dim, dtype=self.dtype
         )
-        self.attention_backend_name = "torch" if backend_cls is TorchPagedAttention else "cupy"
+        self.attention_backend_name = backend_cls.name
         logger.info("attention backend %s (%s)", self.attention_backend_name, reason)
         self.attention = backend_cls(
             self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.config.head_dim**-0.5
