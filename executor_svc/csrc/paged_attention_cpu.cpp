@@ -176,12 +176,12 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   for (long i = 0; i < num_items; i++) {
 #if defined(__x86_64__)
     if (isa == Isa::avx512)
-      isa_avx512::run(a, it, i, i + 1);
+      isa_avx512::run(a, it[i]);
     else if (isa == Isa::avx2)
-      isa_avx2::run(a, it, i, i + 1);
+      isa_avx2::run(a, it[i]);
     else
 #endif
-      isa_baseline::run(a, it, i, i + 1);
+      isa_baseline::run(a, it[i]);
   }
 }
 

@@ -29,16 +29,62 @@ static inline void from_float(float x, unsigned short* p) {  // round to nearest
   *p = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)0x7fc0 : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 static inline V vmax(V a, V b) { return a > b ? a : b; }
-static inline float hsum(V v) {
-  float s = 0.f;
-  for (int i = 0; i < W; i++) s += v[i];
-  return s;
+// Horizontal sum and max by halving: log2(W) dependent steps instead of W.
+template <int N, typename VV>
+static inline float hsum_n(VV v) {
+  if constexpr (N == 16)
+    return hsum_n<8>(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  else if constexpr (N == 8)
+    return hsum_n<4>(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  else {
+    VV s = v + __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    s = s + __builtin_shufflevector(s, s, 1, 0, 3, 2);
+    return s[0];
+  }
 }
-static inline float hmax(V v) {
-  float m = v[0];
-  for (int i = 1; i < W; i++) m = v[i] > m ? v[i] : m;
-  return m;
+template <int N, typename VV>
+static inline float hmax_n(VV v) {
+  if constexpr (N == 16) {
+    auto lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    auto hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return hmax_n<8>(lo > hi ? lo : hi);
+  } else if constexpr (N == 8) {
+    auto lo = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+    auto hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return hmax_n<4>(lo > hi ? lo : hi);
+  } else {
+    VV t = __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    VV s = v > t ? v : t;
+    t = __builtin_shufflevector(s, s, 1, 0, 3, 2);
+    s = s > t ? s : t;
+    return s[0];
+  }
 }
+static inline float hsum(V v) { return hsum_n<W>(v); }
+
+// Lane i of the result is the sum of lanes 2i and 2i + 1 of x ++ y.
+template <int N, typename VV>
+static inline VV pair_sum_n(VV x, VV y) {
+  if constexpr (N == 16)
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  else if constexpr (N == 8)
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
+  else
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6) + __builtin_shufflevector(x, y, 1, 3, 5, 7);
+}
+static inline V pair_sum(V x, V y) { return pair_sum_n<W>(x, y); }
+
+// Lane j of the result is the horizontal sum of p[j] (p is consumed): W sums for W - 1 pair_sums, with no
+// store and reload of the scalars.
+static inline V transpose_sum(V* p) {
+  for (int n = W; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; i++) p[i] = pair_sum(p[2 * i], p[2 * i + 1]);
+  return p[0];
+}
+static inline float hmax(V v) { return hmax_n<W>(v); }
 
 // exp(x) to within 2 ulp for x in [-87, 88] (Cephes' polynomial); exp(-inf) comes out near 1e-38, so
 // callers zero masked entries themselves.
@@ -60,22 +106,39 @@ static inline V vexp(V x) {
   return p * (V)e;
 }
 
+// Points kp/vp at the K/V rows of positions [j0, j0 + count), walking the block table (one division per chunk,
+// not one per key); positions from key_end on point at a row of zeros.
 template <typename T>
-static inline const T* key_row(const T* cache, const Args& a, int seq, int kv_head, int pos) {
-  const int block = a.block_tables[(long)seq * a.block_table_stride + pos / a.block_size];
-  return cache + (((long)block * a.num_kv_heads + kv_head) * a.block_size + pos % a.block_size) * a.head_dim;
+static inline void chunk_rows(const Args& a, int seq, int kv_head, int j0, int count, int key_end, const T** kp,
+                              const T** vp) {
+  const T* kc = (const T*)a.key_cache;
+  const T* vc = (const T*)a.value_cache;
+  const int32_t* table = a.block_tables + (long)seq * a.block_table_stride;
+  const long block_stride = (long)a.num_kv_heads * a.block_size * a.head_dim;
+  const long head_offset = (long)kv_head * a.block_size * a.head_dim;
+  int block = j0 / a.block_size, offset = j0 % a.block_size;
+  long base = table[block] * block_stride + head_offset;
+  for (int j = 0; j < count; j++) {
+    if (j0 + j >= key_end) {
+      kp[j] = vp[j] = (const T*)a.zeros;
+      continue;
+    }
+    kp[j] = kc + base + (long)offset * a.head_dim;
+    vp[j] = vc + base + (long)offset * a.head_dim;
+    if (++offset == a.block_size && j0 + j + 1 < key_end) {
+      offset = 0;
+      base = table[++block] * block_stride + head_offset;
+    }
+  }
 }
 
 // Few query rows (decodes: one query, the G heads of a KV head): scores are dot products along head_dim,
 // keys W at a time so that the softmax of a chunk is one vector.
-template <typename T>
+template <typename T, int HEAD_DIM>
 static void attend_dot(const Args& a, const WorkItem& it) {
-  const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
+  const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
   const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
   const T* q = (const T*)a.query;
-  const T* kc = (const T*)a.key_cache;
-  const T* vc = (const T*)a.value_cache;
-  const T* zeros = (const T*)a.zeros;
   alignas(64) float qs[MAX_DOT_ROWS][MAX_HEAD_DIM];
   alignas(64) float acc[MAX_DOT_ROWS][MAX_HEAD_DIM];
   alignas(64) float sc[MAX_DOT_ROWS][W];
@@ -92,30 +155,42 @@ static void attend_dot(const Args& a, const WorkItem& it) {
     pos[r] = first_pos + row / G;
   }
   const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
+  const T* kp[W];
+  const T* vp[W];
+  const T* next_kp[W];
+  const T* next_vp[W];
+  chunk_rows(a, s, h, 0, W, key_end, next_kp, next_vp);
   for (int j0 = 0; j0 < key_end; j0 += W) {
-    const T* kp[W];
-    const T* vp[W];
     for (int j = 0; j < W; j++) {
-      const bool in = j0 + j < key_end;
-      kp[j] = in ? key_row(kc, a, s, h, j0 + j) : zeros;
-      vp[j] = in ? key_row(vc, a, s, h, j0 + j) : zeros;
+      kp[j] = next_kp[j];
+      vp[j] = next_vp[j];
     }
-    for (int j = 0; j < W; j++) {
-      for (int r = 0; r < rows; r++) {
-        V dot = V{};
-        for (int d = 0; d < D; d += W) dot += load(&qs[r][d]) * load(kp[j] + d);
-        sc[r][j] = j0 + j > pos[r] ? -__builtin_inff() : hsum(dot);
-      }
+    // Decode is bound by reading K/V from memory: ask for the next chunk's rows while this one computes.
+    if (j0 + W < key_end) {
+      chunk_rows(a, s, h, j0 + W, W, key_end, next_kp, next_vp);
+      for (int j = 0; j < W; j++)
+        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) {
+          __builtin_prefetch((const char*)next_kp[j] + byte);
+          __builtin_prefetch((const char*)next_vp[j] + byte);
+        }
     }
+    V key_pos = splat((float)j0);
+    for (int j = 0; j < W; j++) key_pos[j] += (float)j;
     for (int r = 0; r < rows; r++) {
-      const V scores = load(sc[r]);
+      V dots[W];
+      for (int j = 0; j < W; j++) {
+        dots[j] = V{};
+        for (int d = 0; d < D; d += W) dots[j] += load(&qs[r][d]) * load(kp[j] + d);
+      }
+      V scores = transpose_sum(dots);
+      scores = key_pos > splat((float)pos[r]) ? splat(-__builtin_inff()) : scores;
       const float m_new = hmax(scores) > m[r] ? hmax(scores) : m[r];
       const float alpha = vexp(splat(m[r] - m_new))[0];
       V p = vexp(scores - m_new);
       p = scores == splat(-__builtin_inff()) ? V{} : p;
       l[r] = l[r] * alpha + hsum(p);
       m[r] = m_new;
-      store(sc[r], p);
+      store(sc[r], p);  // the weights, read back one by one below
       for (int d = 0; d < D; d += W) {
         V o = load(&acc[r][d]) * alpha;
         for (int j = 0; j < W; j++) o += sc[r][j] * load(vp[j] + d);
@@ -135,15 +210,12 @@ static void attend_dot(const Args& a, const WorkItem& it) {
 // Many query rows (prefill chunks): rows are vectorised instead, ROW_VECS * W of them per item, so each key
 // element is broadcast against a vector of query rows (a small GEMM with the queries transposed once) and
 // the online softmax runs across rows, with no horizontal sums.
-template <typename T>
+template <typename T, int HEAD_DIM>
 static void attend_rows(const Args& a, const WorkItem& it) {
   constexpr int RV = ROW_VECS, RT = ROW_VECS * W, KC = ROWS_KEY_CHUNK;
-  const int D = a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
+  const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
   const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
   const T* q = (const T*)a.query;
-  const T* kc = (const T*)a.key_cache;
-  const T* vc = (const T*)a.value_cache;
-  const T* zeros = (const T*)a.zeros;
   alignas(64) float qt[MAX_HEAD_DIM][RT];
   alignas(64) float acc[MAX_HEAD_DIM][RT];
   alignas(64) float posf[RT];
@@ -172,11 +244,7 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   for (int j0 = 0; j0 < key_end; j0 += KC) {
     const T* kp[KC];
     const T* vp[KC];
-    for (int j = 0; j < KC; j++) {
-      const bool in = j0 + j < key_end;
-      kp[j] = in ? key_row(kc, a, s, h, j0 + j) : zeros;
-      vp[j] = in ? key_row(vc, a, s, h, j0 + j) : zeros;
-    }
+    chunk_rows(a, s, h, j0, KC, key_end, kp, vp);
     V sc[KC][RV];
     for (int j = 0; j < KC; j++)
       for (int v = 0; v < RV; v++) sc[j][v] = V{};
@@ -227,19 +295,28 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   }
 }
 
-template <typename T>
-static void run_items(const Args& a, const WorkItem* items, long begin, long end) {
-  for (long i = begin; i < end; i++) {
-    if (items[i].rows_path)
-      attend_rows<T>(a, items[i]);
-    else
-      attend_dot<T>(a, items[i]);
-  }
+// Head dims 64 and 128 get loops of known length (unrolled, the query rows kept in registers).
+template <typename T, int HEAD_DIM>
+static void run_item(const Args& a, const WorkItem& it) {
+  if (it.rows_path)
+    attend_rows<T, HEAD_DIM>(a, it);
+  else
+    attend_dot<T, HEAD_DIM>(a, it);
 }
 
-static void run(const Args& a, const WorkItem* items, long begin, long end) {
-  if (a.bf16)
-    run_items<unsigned short>(a, items, begin, end);
+template <typename T>
+static void run_item(const Args& a, const WorkItem& it) {
+  if (a.head_dim == 64)
+    run_item<T, 64>(a, it);
+  else if (a.head_dim == 128)
+    run_item<T, 128>(a, it);
   else
-    run_items<float>(a, items, begin, end);
+    run_item<T, 0>(a, it);
+}
+
+static void run(const Args& a, const WorkItem& it) {
+  if (a.bf16)
+    run_item<unsigned short>(a, it);
+  else
+    run_item<float>(a, it);
 }
