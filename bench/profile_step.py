@@ -65,7 +65,6 @@ def main() -> None:
         nonlocal last
         result = runner.execute(step)
         assert not result.rejected, result.rejected
-        print("step", result.num_prefill_tokens, result.num_decode_tokens)
         last = {r: t.token_id for r, t in result.sampled.items() if r in positions}
         for r in positions:
             positions[r] += 1

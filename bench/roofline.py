@@ -88,7 +88,8 @@ def gemm_tok_per_s(runner: ModelRunner, batch: int, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                        help="auto: as the executor picks it for this CPU")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)
@@ -105,7 +106,7 @@ def main() -> None:
     gemm = gemm_tok_per_s(runner, args.num_requests, args.decode_steps)
     ratios = {"decode_vs_gemm": decode / gemm}
     metrics = {"decode_tok_per_s": decode, "gemm_tok_per_s": gemm, "num_requests": args.num_requests,
-               "decode_steps": args.decode_steps, "dtype": args.dtype, "context": [256, 512],
+               "decode_steps": args.decode_steps, "dtype": runner.model_config.dtype, "context": [256, 512],
                "attention_backend": runner.attention_backend_name, "torch_threads": torch.get_num_threads()}
     print(f"decode {decode:.1f} tok/s, linear layers alone {gemm:.1f} tok/s, decode_vs_gemm {ratios['decode_vs_gemm']:.3f}")
     print(f"wrote {write_result('roofline', ratios, metrics)}")

@@ -117,6 +117,7 @@ class ModelRunner:
             budget / 2**20,
         )
         self.sampler = Sampler()
+        self._last_sampling_batch: tuple[list[SamplingParams], SamplingBatch] | None = None
         self.requests: dict[str, RequestState] = {}
         # This instance: a plan made for another one assumes KV this one never computed.
         self.epoch = uuid.uuid4().hex
@@ -146,12 +147,21 @@ class ModelRunner:
         params = [self.requests[r.request_id].params for r in sampling]
         sampled_positions = [r.start_position + len(r.token_ids) for r in sampling]
         self._ban_stop_tokens_before_min_tokens(logits, sampling, sampled_positions)
-        batch = SamplingBatch.build(params, self.device)
+        batch = self._sampling_batch(params)
         tokens = self.sampler(logits, batch, sampled_positions).to_sampled_tokens(batch)
         result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
         return result
 
+    def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
+        """The step's SamplingBatch, rebuilt only when its rows' parameter objects (a request's, kept from its
+        first step) change or move: a steady decode batch reuses its tensors."""
+        last = self._last_sampling_batch
+        if last is None or len(last[0]) != len(params) or any(a is not b for a, b in zip(last[0], params)):
+            self._last_sampling_batch = last = (params, SamplingBatch.build(params, self.device))
+        return last[1]
+
     def _ban_stop_tokens_before_min_tokens(self, logits, sampling, sampled_positions) -> None:
+        rows, columns = [], []
         for row, (req, position) in enumerate(zip(sampling, sampled_positions)):
             state = self.requests[req.request_id]
             if position - state.prompt_len >= state.params.min_tokens:
@@ -159,7 +169,10 @@ class ModelRunner:
             banned = list(state.params.stop_token_ids)
             if not state.params.ignore_eos:
                 banned.extend(self.eos_token_ids)
-            logits[row, banned] = float("-inf")
+            rows += [row] * len(banned)
+            columns += banned
+        if rows:  # one indexed write for the whole batch
+            logits[rows, columns] = float("-inf")
 
     @torch.inference_mode()
     def step_logits(self, step: ExecuteStep) -> dict[str, torch.Tensor]:

@@ -163,3 +163,5 @@ def test_auto_selects_the_cpu_kernels_on_the_cpu():
     assert select_attention_backend("cpu", "cpu", head_dim=64, dtype=torch.bfloat16)[0] is CpuPagedAttention
     with pytest.raises(ValueError, match="cannot run here"):
         select_attention_backend("cpu", "cpu", head_dim=72, dtype=torch.float32)
+    with pytest.raises(ValueError, match="cannot run on cuda"):
+        select_attention_backend("cuda", "cpu", head_dim=64)
