@@ -21,6 +21,9 @@ constexpr int MAX_DOT_ROWS = 16;  // items with fewer rows than a vector holds t
 constexpr int ROW_VECS = 2;
 constexpr int ROWS_KEY_CHUNK = 8;
 
+// All-zero bits are 0.0 in float32 and in bfloat16: one row serves both.
+alignas(64) const float kZeros[MAX_HEAD_DIM] = {};
+
 struct Args {
   const void* query;
   const void* key_cache;
@@ -145,8 +148,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   if (num_seqs == 0) return;
 
   const int G = num_heads / kvh, W = vector_width(current_isa);
-  at::Tensor zeros = at::zeros({D}, key_cache.options());
-  Args a{query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), zeros.data_ptr(),
+  Args a{query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), kZeros,
          query_start.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
          query.stride(0), out.stride(0), block_tables.stride(0), (int)num_heads, kvh, D, (int)key_cache.size(2),
          (float)scale, key_cache.scalar_type() == at::kBFloat16};
