@@ -4,7 +4,10 @@ the step's cache write. SmolLM2-135M's attention shape (9 query heads, 3 KV head
 16 tokens on a shuffled pool. Writes bench/results/attention.json; `paged_vs_gather` is the worse of the two
 cases' time ratios (kernel / gather path).
 
-    python bench/attention.py [--dtype float32] [--repeats 20]
+    python bench/attention.py [--dtype float32] [--repeats 20] [--isa auto]
+
+To see an AVX2-only machine on a wider one, restrict both sides: `--isa avx2` for the kernels and
+MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 for torch.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_result  # noqa: E402
-from executor_svc.attention.cpu_backend import CpuPagedAttention  # noqa: E402
+from executor_svc.attention.cpu_backend import CpuPagedAttention, load_extension  # noqa: E402
 from executor_svc.attention.layout import BatchLayout  # noqa: E402
 from executor_svc.attention.torch_backend import TorchPagedAttention  # noqa: E402
 
@@ -70,18 +73,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--isa", default="auto", choices=["auto", "avx512", "avx2", "baseline"],
+                        help="the kernels' instruction-set path")
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--prefill-cached", type=int, default=1024)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    load_extension().select_isa(args.isa)
     cases = {
         "decode": make_case([1] * args.decode_batch, [args.decode_context] * args.decode_batch, dtype),
         "prefill": make_case([args.prefill_tokens], [args.prefill_cached + args.prefill_tokens], dtype),
     }
     metrics = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                         "block_size": BLOCK_SIZE, "dtype": args.dtype, "isa": CpuPagedAttention.isa()},
+                         "block_size": BLOCK_SIZE, "dtype": args.dtype, "isa": CpuPagedAttention.isa(),
+                         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                         "torch_threads": torch.get_num_threads()},
                "cases": {"decode": {"batch": args.decode_batch, "context": args.decode_context},
                          "prefill": {"tokens": args.prefill_tokens, "cached": args.prefill_cached}}}
     ratios = {}

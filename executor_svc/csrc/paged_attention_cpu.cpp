@@ -19,7 +19,6 @@ namespace {
 constexpr int MAX_HEAD_DIM = 256;
 constexpr int MAX_DOT_ROWS = 16;  // items with fewer rows than a vector holds take the dot-product path
 constexpr int ROW_VECS = 2;
-constexpr int ROWS_KEY_CHUNK = 8;
 
 // All-zero bits are 0.0 in float32 and in bfloat16: one row serves both.
 alignas(64) const float kZeros[MAX_HEAD_DIM] = {};
@@ -52,6 +51,7 @@ struct WorkItem {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
 namespace isa_avx512 {
 constexpr int W = 16;
+constexpr int ROWS_KEY_CHUNK = 8;  // ROW_VECS x 8 score accumulators of the 32 vector registers
 #include "paged_attention_impl.h"
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -60,6 +60,7 @@ constexpr int W = 16;
 #pragma GCC target("avx2,fma")
 namespace isa_avx2 {
 constexpr int W = 8;
+constexpr int ROWS_KEY_CHUNK = 4;  // 16 vector registers: more accumulators would spill
 #include "paged_attention_impl.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -67,6 +68,7 @@ constexpr int W = 8;
 
 namespace isa_baseline {
 constexpr int W = 4;  // 128-bit vectors: SSE2 on x86-64, NEON on arm64
+constexpr int ROWS_KEY_CHUNK = 4;
 #include "paged_attention_impl.h"
 }  // namespace isa_baseline
 

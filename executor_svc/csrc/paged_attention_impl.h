@@ -1,5 +1,6 @@
 // One instruction set's paged-attention code. paged_attention_cpu.cpp includes this file three times, each
-// inside its own namespace and `#pragma GCC target` region, with W (floats per vector) defined: AVX-512
+// inside its own namespace and `#pragma GCC target` region, with W (floats per vector) and ROWS_KEY_CHUNK
+// (keys per step of the row-vector path, as many as the registers hold) defined: AVX-512
 // (W = 16), AVX2 + FMA (W = 8) and the baseline ISA (W = 4). It uses GCC vector extensions and builtins only, and nothing from a header, so that no code from a
 // standard template gets compiled for a wider ISA than the one it is called on.
 //
@@ -275,14 +276,19 @@ static void attend_rows(const Args& a, const WorkItem& it) {
       l[v] = l[v] * alpha[v] + sum;
       m[v] = m_new;
     }
-    for (int d = 0; d < D; d++) {
-      V o[RV];
-      for (int v = 0; v < RV; v++) o[v] = load(&acc[d][v * W]) * alpha[v];
-      for (int j = 0; j < KC; j++) {
-        const float val = to_float(vp[j][d]);
-        for (int v = 0; v < RV; v++) o[v] += sc[j][v] * val;
-      }
-      for (int v = 0; v < RV; v++) store(&acc[d][v * W], o[v]);
+    // Four head_dim positions at a time: each accumulator takes KC dependent FMAs, so eight chains (not two)
+    // keep the FMA units busy.
+    for (int d = 0; d < D; d += 4) {
+      V o[4][RV];
+      for (int u = 0; u < 4; u++)
+        for (int v = 0; v < RV; v++) o[u][v] = load(&acc[d + u][v * W]) * alpha[v];
+      for (int j = 0; j < KC; j++)
+        for (int u = 0; u < 4; u++) {
+          const float val = to_float(vp[j][d + u]);
+          for (int v = 0; v < RV; v++) o[u][v] += sc[j][v] * val;
+        }
+      for (int u = 0; u < 4; u++)
+        for (int v = 0; v < RV; v++) store(&acc[d + u][v * W], o[u][v]);
     }
   }
   alignas(64) float inv[RT];
