@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--prefill-cached", type=int, default=1024)
+    parser.add_argument("--name", default="attention", help="result file name under bench/results/")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     load_extension().select_isa(args.isa)
@@ -100,7 +101,7 @@ def main() -> None:
         print(f"{name}: kernel {result['paged_s'] * 1e3:.2f} ms, gather path {result['gather_s'] * 1e3:.2f} ms, "
               f"ratio {result['ratio']:.3f}", flush=True)
     ratios["paged_vs_gather"] = max(ratios["paged_vs_gather_decode"], ratios["paged_vs_gather_prefill"])
-    print(f"wrote {write_result('attention', ratios, metrics)}")
+    print(f"wrote {write_result(args.name, ratios, metrics)}")
 
 
 if __name__ == "__main__":

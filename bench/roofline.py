@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--name", default="roofline", help="result file name under bench/results/")
     args = parser.parse_args()
 
     runner = ModelRunner(ModelConfig(args.model, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend),
@@ -109,7 +110,7 @@ def main() -> None:
                "decode_steps": args.decode_steps, "dtype": runner.model_config.dtype, "context": [256, 512],
                "attention_backend": runner.attention_backend_name, "torch_threads": torch.get_num_threads()}
     print(f"decode {decode:.1f} tok/s, linear layers alone {gemm:.1f} tok/s, decode_vs_gemm {ratios['decode_vs_gemm']:.3f}")
-    print(f"wrote {write_result('roofline', ratios, metrics)}")
+    print(f"wrote {write_result(args.name, ratios, metrics)}")
 
 
 if __name__ == "__main__":
