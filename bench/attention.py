@@ -73,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     parser.add_argument("--isa", default="auto", choices=["auto", "avx512", "avx2", "baseline"],
                         help="the kernels' instruction-set path")
     parser.add_argument("--decode-batch", type=int, default=64)
@@ -83,6 +84,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     load_extension().select_isa(args.isa)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cases = {
         "decode": make_case([1] * args.decode_batch, [args.decode_context] * args.decode_batch, dtype),
         "prefill": make_case([args.prefill_tokens], [args.prefill_cached + args.prefill_tokens], dtype),
