@@ -33,12 +33,13 @@ def top_ops(prof, limit: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=512, help="prefill tokens in each mixed step")
     parser.add_argument("--rows", type=int, default=12)
+    parser.add_argument("--name", default="profile", help="result file name under bench/results/")
     args = parser.parse_args()
 
     runner = ModelRunner(ModelConfig(args.model, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend),
@@ -70,7 +71,7 @@ def main() -> None:
             positions[r] += 1
 
     run(ExecuteStep(decodes(), executor_epoch=runner.epoch))  # warm-up
-    tables, metrics = {}, {"num_requests": args.num_requests, "chunk": args.chunk, "dtype": args.dtype,
+    tables, metrics = {}, {"num_requests": args.num_requests, "chunk": args.chunk, "dtype": runner.model_config.dtype,
                            "attention_backend": runner.attention_backend_name, "torch_threads": torch.get_num_threads()}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
@@ -91,7 +92,7 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
         metrics[name] = {"total_s": sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6 / args.steps,
                          "top_ops": top_ops(prof, args.rows)}
-    print(f"wrote {write_result('profile', {}, metrics)}")
+    print(f"wrote {write_result(args.name, {}, metrics)}")
 
 
 if __name__ == "__main__":
