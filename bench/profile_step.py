@@ -42,11 +42,14 @@ def main() -> None:
     parser.add_argument("--name", default="profile", help="result file name under bench/results/")
     args = parser.parse_args()
 
-    runner = ModelRunner(ModelConfig(args.model, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend),
-                         CacheConfig(kv_cache_memory=1 << 30), SchedulerConfig(max_num_seqs=args.num_requests + 1))
+    # The default pool (max_num_seqs requests of max_model_len tokens) holds every request's context.
+    runner = ModelRunner(ModelConfig(args.model, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend,
+                                     max_model_len=max(512, args.chunk * args.steps)),
+                         CacheConfig(), SchedulerConfig(max_num_seqs=args.num_requests + 1))
     rng = random.Random(0)
     vocab = runner.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(256, 480))] for _ in range(args.num_requests)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(256, 512 - 2 * args.steps - 1))]
+               for _ in range(args.num_requests)]
     bs, free = runner.block_size, list(range(runner.num_blocks))
     rng.shuffle(free)
     blocks = {}

@@ -37,6 +37,7 @@ def prefill_all(runner: ModelRunner, prompts: list[list[int]], blocks: dict, bud
                                        prompt_len=len(prompt)))
             used += len(prompt)
         result = runner.execute(ExecuteStep(step, executor_epoch=runner.epoch))
+        assert not result.rejected, result.rejected
         last.update({r: t.token_id for r, t in result.sampled.items()})
     return last
 
@@ -58,6 +59,7 @@ def decode_tok_per_s(runner: ModelRunner, prompts, steps: int, budget: int) -> f
         start = time.perf_counter()
         result = runner.execute(step)
         times.append(time.perf_counter() - start)
+        assert not result.rejected and len(result.sampled) == len(prompts), result.rejected
         last = {r: t.token_id for r, t in result.sampled.items()}
         for r in positions:
             positions[r] += 1
@@ -92,13 +94,15 @@ def main() -> None:
                         help="auto: as the executor picks it for this CPU")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--name", default="roofline", help="result file name under bench/results/")
     args = parser.parse_args()
 
-    runner = ModelRunner(ModelConfig(args.model, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend),
-                         CacheConfig(kv_cache_memory=1 << 30), SchedulerConfig(max_num_seqs=args.num_requests))
+    # The default pool (max_num_seqs requests of max_model_len tokens) holds every request's context.
+    runner = ModelRunner(ModelConfig(args.model, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend,
+                                     max_model_len=512, cpu_threads=args.threads), CacheConfig(), SchedulerConfig(max_num_seqs=args.num_requests))
     rng = random.Random(0)
     # Contexts stay within 256..512 through the decode steps.
     prompts = [[rng.randrange(runner.config.vocab_size) for _ in range(rng.randint(256, 512 - args.decode_steps))]
