@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=512, help="prefill tokens in each mixed step")
     parser.add_argument("--rows", type=int, default=12)
@@ -44,7 +45,7 @@ def main() -> None:
 
     # The default pool (max_num_seqs requests of max_model_len tokens) holds every request's context.
     runner = ModelRunner(ModelConfig(args.model, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend,
-                                     max_model_len=max(512, args.chunk * args.steps)),
+                                     max_model_len=max(512, args.chunk * args.steps), cpu_threads=args.threads),
                          CacheConfig(), SchedulerConfig(max_num_seqs=args.num_requests + 1))
     rng = random.Random(0)
     vocab = runner.config.vocab_size

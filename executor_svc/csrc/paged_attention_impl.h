@@ -133,6 +133,22 @@ static inline void chunk_rows(const Args& a, int seq, int kv_head, int j0, int c
   }
 }
 
+// Float32 views of `count` K or V rows for the row-vector path, whose inner loops read single elements:
+// bfloat16 rows are converted once, a vector at a time, into buf; float32 rows are used in place. (The
+// dot-product path converts as it loads: with few rows, a store and reload would cost more.)
+template <typename T>
+static inline void float_rows(const T* const* src, int count, int D, float* buf, const float** dst) {
+  for (int j = 0; j < count; j++) {
+    if constexpr (sizeof(T) == 4) {
+      dst[j] = (const float*)src[j];
+    } else {
+      float* row = buf + j * MAX_HEAD_DIM;
+      for (int d = 0; d < D; d += W) store(row + d, load(src[j] + d));
+      dst[j] = row;
+    }
+  }
+}
+
 // Few query rows (decodes: one query, the G heads of a KV head): scores are dot products along head_dim,
 // keys W at a time so that the softmax of a chunk is one vector.
 template <typename T, int HEAD_DIM>
@@ -220,6 +236,8 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   alignas(64) float qt[MAX_HEAD_DIM][RT];
   alignas(64) float acc[MAX_HEAD_DIM][RT];
   alignas(64) float posf[RT];
+  alignas(64) float kbuf[sizeof(T) == 4 ? 1 : KC * MAX_HEAD_DIM];
+  alignas(64) float vbuf[sizeof(T) == 4 ? 1 : KC * MAX_HEAD_DIM];
   const int rows = it.rows;
   for (int i = 0; i < RT; i++) {
     const int row = it.row0 + i;
@@ -246,6 +264,10 @@ static void attend_rows(const Args& a, const WorkItem& it) {
     const T* kp[KC];
     const T* vp[KC];
     chunk_rows(a, s, h, j0, KC, key_end, kp, vp);
+    const float* kf[KC];
+    const float* vf[KC];
+    float_rows(kp, KC, D, kbuf, kf);
+    float_rows(vp, KC, D, vbuf, vf);
     V sc[KC][RV];
     for (int j = 0; j < KC; j++)
       for (int v = 0; v < RV; v++) sc[j][v] = V{};
@@ -253,7 +275,7 @@ static void attend_rows(const Args& a, const WorkItem& it) {
       V qv[RV];
       for (int v = 0; v < RV; v++) qv[v] = load(&qt[d][v * W]);
       for (int j = 0; j < KC; j++) {
-        const float k = to_float(kp[j][d]);
+        const float k = kf[j][d];
         for (int v = 0; v < RV; v++) sc[j][v] += qv[v] * k;
       }
     }
@@ -284,7 +306,7 @@ static void attend_rows(const Args& a, const WorkItem& it) {
         for (int v = 0; v < RV; v++) o[u][v] = load(&acc[d + u][v * W]) * alpha[v];
       for (int j = 0; j < KC; j++)
         for (int u = 0; u < 4; u++) {
-          const float val = to_float(vp[j][d + u]);
+          const float val = vf[j][d + u];
           for (int v = 0; v < RV; v++) o[u][v] += sc[j][v] * val;
         }
       for (int u = 0; u < 4; u++)
