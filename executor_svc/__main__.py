@@ -8,8 +8,8 @@ from pagedserve.v1 import executor_pb2_grpc
 # What this service takes: the launcher passes these, and only these, as flags.
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "tls_cert", "tls_key", "tls_ca", "internal_token_file"),
-    ModelConfig: ("model", "device", "dtype", "max_model_len", "seed", "attention_backend", "enforce_eager",
-                  "cuda_graph_batch_sizes"),
+    ModelConfig: ("model", "device", "dtype", "max_model_len", "seed", "attention_backend", "cpu_threads",
+                  "enforce_eager", "cuda_graph_batch_sizes", "benchmark_sleep_ms"),
     CacheConfig: ("block_size", "kv_cache_memory", "kv_cache_fraction", "offload", "offload_host_bytes",
                   "redis_url", "redis_ttl", "redis_namespace"),
     SchedulerConfig: ("max_num_seqs",),

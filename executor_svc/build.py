@@ -7,6 +7,10 @@ from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
 
 def build_model_runner(model: ModelConfig, cache: CacheConfig, scheduler: SchedulerConfig) -> ModelRunner:
+    if model.benchmark_sleep_ms is not None:
+        from executor_svc.benchmark_runner import SleepingRunner
+
+        return SleepingRunner(model, cache, scheduler)
     tier = make_tier(cache.offload_kind, host_bytes=cache.offload_host_bytes, redis_url=cache.redis_url,
                      redis_ttl=cache.redis_ttl, redis_namespace=cache.redis_namespace)
     return ModelRunner(model, cache, scheduler, offload_tier=tier)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,7 +16,6 @@ import numpy as np
 import torch
 
 from executor_svc.attention.layout import BatchLayout
-from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.attention.selection import select_attention_backend
 from executor_svc import cuda_graphs
 from executor_svc.kv_cache import allocate_kv_caches, kv_cache_budget, num_blocks_for_budget
@@ -30,11 +30,20 @@ from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.offload import HostTier, RedisTier
 from executor_svc.sampler import Sampler, SamplingBatch, TokenCounts
 from executor_svc.structured_output import GrammarError, StructuredOutput
-from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_flags
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep
 
 logger = logging.getLogger(__name__)
+
+def _dtype_reason(requested: str, resolved: ModelConfig) -> str:
+    if requested != "auto":
+        return "requested"
+    if resolved.device.startswith("cuda"):
+        return "auto: CUDA"
+    flags = cpu_bf16_flags()
+    return f"auto: the CPU has {', '.join(flags)}" if flags else "auto: the CPU has no native bfloat16 matrix support"
+
 
 class StaleEpoch(Exception):
     """A step planned for another executor instance."""
@@ -59,6 +68,7 @@ class ModelRunner:
         """scheduler_config: its max_num_seqs sizes the CPU KV cache and the CUDA graphs."""
         from transformers import AutoConfig
 
+        requested_dtype = model_config.dtype
         model_config = model_config.resolved()
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
@@ -66,6 +76,10 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         self.device = torch.device(model_config.device)
         self.dtype = parse_dtype(model_config.dtype)
+        logger.info("dtype %s (%s)", model_config.dtype, _dtype_reason(requested_dtype, model_config))
+        if self.device.type == "cpu":
+            torch.set_num_threads(model_config.cpu_threads or len(os.sched_getaffinity(0)))
+            logger.info("%d torch threads", torch.get_num_threads())
         self.block_size = block_size = cache_config.block_size
         self.model_dir = resolve_model_dir(model_config.model)
         self.config = ModelArchitecture.from_hf_config(
@@ -78,9 +92,9 @@ class ModelRunner:
         self.model_id = f"{model_fingerprint(self.model_dir)}|{model_config.dtype}"
 
         backend_cls, reason = select_attention_backend(
-            self.device, model_config.attention_backend, head_dim=self.config.head_dim
+            self.device, model_config.attention_backend, head_dim=self.config.head_dim, dtype=self.dtype
         )
-        self.attention_backend_name = "torch" if backend_cls is TorchPagedAttention else "cupy"
+        self.attention_backend_name = backend_cls.name
         logger.info("attention backend %s (%s)", self.attention_backend_name, reason)
         self.attention = backend_cls(
             self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.config.head_dim**-0.5
@@ -105,6 +119,7 @@ class ModelRunner:
             budget / 2**20,
         )
         self.sampler = Sampler()
+        self._last_sampling_batch: tuple[list[SamplingParams], SamplingBatch] | None = None
         self.requests: dict[str, RequestState] = {}
         self.token_counts = TokenCounts(self.config.vocab_size, self.device)
         self.structured_output = StructuredOutput(self.model_dir, self.config.vocab_size, self.eos_token_ids)
@@ -136,7 +151,7 @@ class ModelRunner:
         params = [self.requests[r.request_id].params for r in sampling]
         sampled_positions = [r.start_position + len(r.token_ids) for r in sampling]
         self._ban_stop_tokens_before_min_tokens(logits, sampling, sampled_positions)
-        batch = SamplingBatch.build(params, self.device)
+        batch = self._sampling_batch(params)
         penalty_counts = None
         if batch.penalty_rows is not None:
             penalty_counts = self.token_counts.gather([r.request_id for r, p in zip(sampling, params) if p.has_penalties])
@@ -149,7 +164,16 @@ class ModelRunner:
         result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
         return result
 
+    def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
+        """The step's SamplingBatch, rebuilt only when its rows' parameter objects (a request's, kept from its
+        first step) change or move: a steady decode batch reuses its tensors."""
+        last = self._last_sampling_batch
+        if last is None or len(last[0]) != len(params) or any(a is not b for a, b in zip(last[0], params)):
+            self._last_sampling_batch = last = (params, SamplingBatch.build(params, self.device))
+        return last[1]
+
     def _ban_stop_tokens_before_min_tokens(self, logits, sampling, sampled_positions) -> None:
+        rows, columns = [], []
         for row, (req, position) in enumerate(zip(sampling, sampled_positions)):
             state = self.requests[req.request_id]
             if position - state.prompt_len >= state.params.min_tokens:
@@ -157,7 +181,10 @@ class ModelRunner:
             banned = list(state.params.stop_token_ids)
             if not state.params.ignore_eos:
                 banned.extend(self.eos_token_ids)
-            logits[row, banned] = float("-inf")
+            rows += [row] * len(banned)
+            columns += banned
+        if rows:  # one indexed write for the whole batch
+            logits[rows, columns] = float("-inf")
 
     @torch.inference_mode()
     def step_logits(self, step: ExecuteStep) -> dict[str, torch.Tensor]:

@@ -322,6 +322,8 @@ def _check(condition: bool, message: str) -> None:
 class CupyPagedAttention:
     """Paged attention through the CUDA kernels of executor_svc/kernels, launched with CuPy."""
 
+    name = "cupy"
+
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
         launcher: Callable[[Sequence[Launch], torch.device], None] | None = None,

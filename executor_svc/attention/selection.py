@@ -1,19 +1,22 @@
-"""Which attention backend a runner on a given device uses: the CuPy CUDA kernels or the torch reference."""
+"""Which attention backend a runner on a given device uses: the CuPy CUDA kernels, the C++ CPU kernels or the
+torch reference."""
 from __future__ import annotations
 
 import torch
 
 from executor_svc.attention.torch_backend import TorchPagedAttention
 
-BACKEND_NAMES = ("auto", "torch", "cupy")
+BACKEND_NAMES = ("auto", "torch", "cupy", "cpu")
 
 
 def select_attention_backend(
-    device: torch.device | str, name: str = "auto", *, head_dim: int | None = None
+    device: torch.device | str, name: str = "auto", *, head_dim: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[type, str]:
-    """(backend class, reason). "auto": the CuPy kernels on a CUDA device where cupy imports, else torch.
+    """(backend class, reason). "auto": the CuPy kernels on a CUDA device where cupy imports, the C++ CPU
+    kernels on the CPU where they build, else torch.
 
-    "torch" and "cupy" force a backend; forcing "cupy" where it cannot run raises ValueError saying why.
+    "torch", "cupy" and "cpu" force a backend; forcing one where it cannot run raises ValueError saying why.
     With head_dim given, "auto" also falls back to torch for head sizes the kernels do not implement.
     """
     from executor_svc.attention.cupy_backend import SUPPORTED_HEAD_DIMS, CupyPagedAttention, supported_reason
@@ -23,6 +26,17 @@ def select_attention_backend(
     device = torch.device(device)
     if name == "torch":
         return TorchPagedAttention, "torch backend requested"
+    if device.type == "cpu" and name in ("auto", "cpu"):
+        from executor_svc.attention.cpu_backend import CpuPagedAttention, unsupported_reason
+
+        problem = unsupported_reason(head_dim or 16, dtype)
+        if name == "cpu" and problem is not None:
+            raise ValueError(f"the cpu attention backend cannot run here: {problem}")
+        if problem is None:
+            return CpuPagedAttention, f"cpu: C++ kernels, {CpuPagedAttention.isa()} path"
+        return TorchPagedAttention, f"torch: {problem}"
+    if name == "cpu":
+        raise ValueError(f"the cpu attention backend cannot run on {device}")
     problem = supported_reason(device)
     if problem is None and head_dim is not None and head_dim not in SUPPORTED_HEAD_DIMS:
         problem = f"head_dim {head_dim} is not one of the kernels' {SUPPORTED_HEAD_DIMS}"

@@ -65,6 +65,8 @@ class TorchPagedAttention:
     a masked context) and for bfloat16.
     """
 
+    name = "torch"
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

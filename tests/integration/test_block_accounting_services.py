@@ -35,13 +35,13 @@ def test_quarter_pool_with_shared_prefixes_salts_and_cancels(tiny_model_with_tok
     requests = workload()
     # Logprobs make the comparison sensitive: a tiny random model's greedy tokens barely depend on context.
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    reference = LLM(str(tiny_model_with_tokenizer), device="cpu", kv_cache_memory=64 << 20)
+    reference = LLM(str(tiny_model_with_tokenizer), device="cpu", dtype="float32", kv_cache_memory=64 << 20)
     expected = [reference.generate([prompt], params, cache_salt=salt)[0] for prompt, salt in requests]
 
     needed_blocks = sum(-(-(len(prompt) + MAX_TOKENS) // BLOCK_SIZE) for prompt, _ in requests)
     bytes_per_block = reference.runner.config.kv_bytes_per_token(torch.float32) * BLOCK_SIZE
     config = PagedServeConfig.from_kwargs(
-        model=str(tiny_model_with_tokenizer), device="cpu", port=0, log_level="WARNING",
+        model=str(tiny_model_with_tokenizer), device="cpu", dtype="float32", port=0, log_level="WARNING",
         kv_cache_memory=(needed_blocks // 4) * bytes_per_block, max_num_batched_tokens=128,
     )
     cancelled = {5, 13}

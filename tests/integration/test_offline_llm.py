@@ -87,7 +87,7 @@ def test_logprobs_are_the_models_own(smollm2):
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=4 << 20)
+    return LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_memory=4 << 20)
 
 
 def random_token_prompts(count: int, seed: int) -> list[list[int]]:
@@ -105,7 +105,7 @@ def test_preemption_under_a_quarter_pool_leaves_greedy_outputs_unchanged(tiny_ll
     block_size = 16
     needed_blocks = sum(-(-(len(p) + 24) // block_size) for p in prompts)
     bytes_per_block = tiny_llm.runner.config.kv_bytes_per_token(torch.float32) * block_size
-    constrained_llm = LLM(str(tiny_llama_dir), device="cpu",
+    constrained_llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32",
                           kv_cache_memory=(needed_blocks // 4) * bytes_per_block)
     assert constrained_llm.runner.num_blocks == needed_blocks // 4
     constrained = constrained_llm.generate(prompts, params)

@@ -26,8 +26,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def stack():
-    config = PagedServeConfig.from_kwargs(model="default", device="cpu", port=0, kv_cache_memory=256 << 20,
-                                          log_level="WARNING")
+    config = PagedServeConfig.from_kwargs(model="default", device="cpu", dtype="float32", port=0,
+                                          kv_cache_memory=256 << 20, log_level="WARNING")
     with Stack(config) as running:
         yield running
 

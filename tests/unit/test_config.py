@@ -24,7 +24,8 @@ A_FILE = __file__
 # Every option set away from its default, so that a flag that is dropped or renamed shows.
 CHANGED = PagedServeConfig(
     ModelConfig(model="m", tokenizer="t", device="cpu", dtype="bfloat16", max_model_len=77, seed=3,
-                attention_backend="torch", enforce_eager=True, cuda_graph_batch_sizes=(1, 3)),
+                attention_backend="torch", cpu_threads=3, enforce_eager=True, cuda_graph_batch_sizes=(1, 3),
+                benchmark_sleep_ms=2.5),
     CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
                 offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True,
                 redis_namespace="tenant-7"),
@@ -228,3 +229,23 @@ def test_configuration_doc_is_rendered_from_the_dataclasses():
     text = doc.read_text()
     assert cfg.render_doc(text) == text, "docs/configuration.md is stale: run python -m pagedserve.config"
     assert "| `max_num_seqs` | `--max-num-seqs` | `256` |" in text
+
+
+def test_auto_dtype_follows_the_cpus_bfloat16_support(tmp_path, monkeypatch):
+    import pagedserve.config as config
+
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma amx_bf16 amx_tile\n")
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f\n")
+    assert config.cpu_bf16_flags(str(amx)) == ("amx_bf16",)
+    assert config.cpu_bf16_flags(str(avx2)) == ()
+    assert config.cpu_bf16_flags(str(tmp_path / "missing")) == ()  # unreadable: never assumed
+    monkeypatch.setattr(config, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    assert ModelConfig(device="cpu").resolved().dtype == "bfloat16"
+    assert ModelConfig(device="cpu", dtype="float32").resolved().dtype == "float32"
+    monkeypatch.setattr(config, "cpu_bf16_flags", lambda: ())
+    assert ModelConfig(device="cpu").resolved().dtype == "float32"
+    assert ModelConfig(device="cuda").resolved().dtype == "bfloat16"
+    with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
+        ModelConfig(cpu_threads=0)

@@ -23,6 +23,7 @@ import torch
 
 from executor_svc.attention.cupy_backend import CupyPagedAttention, plan_batch
 from executor_svc.attention.layout import BatchLayout
+from executor_svc.attention.cpu_backend import CpuPagedAttention
 from executor_svc.attention.torch_backend import TorchPagedAttention
 from executor_svc.cuda_graphs import (
     DEFAULT_CUDA_GRAPH_BATCH_SIZES, PADDING_BLOCK, PADDING_SLOT, DecodeGraphRunner, cuda_graph_batch_sizes,
@@ -43,14 +44,14 @@ BLOCK_SIZE = 16
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_runner_backend_auto_is_torch_on_cpu(tiny_llama_dir, caplog):
+def test_runner_backend_auto_is_the_cpu_kernels_on_cpu(tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="executor_svc.model_runner"):
         runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
-    assert runner.attention_backend_name == "torch"
-    assert isinstance(runner.attention, TorchPagedAttention)
+    assert runner.attention_backend_name == "cpu"
+    assert isinstance(runner.attention, CpuPagedAttention)
     assert all(layer.self_attn.backend is runner.attention for layer in runner.model.layers)
     assert runner.decode_graphs is None
-    assert "attention backend torch (torch: device cpu is not a CUDA device)" in caplog.text
+    assert f"attention backend cpu (cpu: C++ kernels, {CpuPagedAttention.isa()} path)" in caplog.text
     assert "CUDA graphs off (device cpu)" in caplog.text
 
 
@@ -66,7 +67,7 @@ def test_runner_backend_cupy_on_cpu_says_why_not(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"cupy attention backend cannot run here: device cpu is not a CUDA device"):
         ModelRunner(ModelConfig(str(tiny_llama_dir), attention_backend="cupy", device="cpu"),
                     CacheConfig(kv_cache_memory=1 << 20))
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cupy, got 'flash'"):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cupy, cpu, got 'flash'"):
         ModelConfig(str(tiny_llama_dir), attention_backend="flash")
 
 
@@ -85,7 +86,7 @@ def test_get_info_reports_the_resolved_backend(tiny_llama_dir):
 
     runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
     info = ExecutorServicer(runner).GetInfo(None, None)
-    assert info.attention_backend == "torch"
+    assert info.attention_backend == "cpu"
 
 
 def test_executor_cli_rejects_cupy_on_cpu(tiny_llama_dir):
@@ -113,6 +114,7 @@ def test_launcher_passes_backend_and_graph_options_to_the_executor():
 
 
 def test_pagedserve_up_passes_the_backend(monkeypatch):
+    import pagedserve.config
     import pagedserve.entrypoints.launcher
     from pagedserve.entrypoints import cli
 
@@ -135,10 +137,11 @@ def test_pagedserve_up_passes_the_backend(monkeypatch):
     with pytest.raises(Started):
         cli.main(["up", "--device", "cpu", "--attention-backend", "cupy", "--enforce-eager"])
     assert seen[-1].model_config.attention_backend == "cupy" and seen[-1].model_config.enforce_eager
+    monkeypatch.setattr(pagedserve.config, "cpu_bf16_flags", lambda: ())
     with pytest.raises(Started):
         cli.main(["up", "--device", "cpu"])
     assert seen[-1].model_config.attention_backend == "auto" and not seen[-1].model_config.enforce_eager
-    assert seen[-1].model_config.dtype == "float32"  # auto: float32 on the CPU (bfloat16 on CUDA)
+    assert seen[-1].model_config.dtype == "float32"  # auto: float32 on a CPU without native bfloat16
     with pytest.raises(Started):
         cli.main(["up", "--device", "cuda"])
     assert seen[-1].model_config.dtype == "bfloat16"

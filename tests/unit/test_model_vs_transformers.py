@@ -50,7 +50,7 @@ def reference_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 
 def test_mixed_batch_logits_match_transformers_at_every_step(tiny_model):
     path, hf_model = tiny_model
-    runner = ModelRunner(ModelConfig(str(path), device="cpu"),
+    runner = ModelRunner(ModelConfig(str(path), device="cpu", dtype="float32"),
                          CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
     driver = TeacherForcedDriver(runner)
     gen = random.Random(1)
@@ -82,7 +82,7 @@ def test_chunked_and_unchunked_prefill_give_the_same_logits(tiny_model):
     tokens = [random.Random(2).randrange(160) for _ in range(90)]
     logits = {}
     for chunks in ([90], [1, 7, 16, 33, 33], [33, 16, 7, 1, 33]):
-        runner = ModelRunner(ModelConfig(str(path), device="cpu"),
+        runner = ModelRunner(ModelConfig(str(path), device="cpu", dtype="float32"),
                              CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
         driver = TeacherForcedDriver(runner, seed=len(chunks))
         start = 0

@@ -1,0 +1,89 @@
+"""An executor that runs no model, for measuring the control plane alone (--benchmark-sleep-ms).
+
+It answers Execute exactly as ModelRunner does (the same per-request state, validation, rejections, epoch
+and scheduler checks, because it runs ModelRunner's step code) but its forward pass is a sleep of the
+configured length, and the token it returns for a request at a position is a fixed function of both, never
+an end-of-sequence token. No weights are loaded and no KV tensors allocated; the block count is what the
+same configuration would give a real executor, so the scheduler and the block manager see the same pool.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import zlib
+
+import torch
+
+from executor_svc.kv_cache import kv_cache_budget, num_blocks_for_budget
+from executor_svc.model_config import ModelArchitecture, parse_dtype
+from executor_svc.model_loader import generation_eos_token_ids, model_fingerprint, resolve_model_dir
+from executor_svc.model_runner import ModelRunner
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.step import ExecuteRequest, ExecuteResult, ExecuteStep, SampledToken
+
+logger = logging.getLogger(__name__)
+
+
+class SleepingRunner(ModelRunner):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None) -> None:
+        from transformers import AutoConfig
+
+        model_config = model_config.resolved()
+        cache_config = cache_config or CacheConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self.model_config, self.cache_config = model_config, cache_config
+        self.sleep_s = model_config.benchmark_sleep_ms / 1000
+        self.device = torch.device("cpu")  # the pool is sized by the CPU rule: no device memory to measure
+        self.dtype = parse_dtype(model_config.dtype)
+        self.block_size = cache_config.block_size
+        self.model_dir = resolve_model_dir(model_config.model)
+        self.config = ModelArchitecture.from_hf_config(
+            AutoConfig.from_pretrained(self.model_dir), model_config.max_model_len
+        )
+        self.eos_token_ids = tuple(
+            sorted(set(self.config.eos_token_ids) | set(generation_eos_token_ids(self.model_dir)))
+        )
+        self.model_id = f"{model_fingerprint(self.model_dir)}|{model_config.dtype}|benchmark"
+        self.attention_backend_name = "none"
+        budget = kv_cache_budget(cache_config, self.device, self.config.kv_bytes_per_token(self.dtype),
+                                 self.config.max_model_len, scheduler_config.max_num_seqs)
+        self.num_blocks = num_blocks_for_budget(self.config, self.dtype, self.block_size, budget)
+        self.max_model_len = min(self.config.max_model_len, self.num_blocks * self.block_size)
+        self.block_bytes = self.config.kv_bytes_per_token(self.dtype) * self.block_size
+        self.requests = {}
+        self.epoch = uuid.uuid4().hex
+        self.scheduler_id = ""
+        self.offload_tier = None  # no KV to save: blocks asked from the tier count as failed loads
+        self.blocks_saved = self.blocks_loaded = self.failed_loads = 0
+        self.bytes_saved = self.bytes_loaded = 0
+        self.num_prefill_tokens = self.num_decode_tokens = 0
+        logger.info("benchmarking executor: no model, %.1f ms per step, %d blocks x %d tokens",
+                    model_config.benchmark_sleep_ms, self.num_blocks, self.block_size)
+
+    def execute(self, step: ExecuteStep) -> ExecuteResult:
+        sampling, _, result = self._run_model(step)
+        result.sampled = {r.request_id: SampledToken(token_id=self.token_for(r)) for r in sampling}
+        return result
+
+    def step_logits(self, step: ExecuteStep):
+        raise NotImplementedError("the benchmarking executor computes no logits")
+
+    def token_for(self, req: ExecuteRequest) -> int:
+        """The token sampled after the request's last position: fixed by the request id and that position."""
+        token = (zlib.crc32(req.request_id.encode()) + req.start_position + len(req.token_ids)) % self.config.vocab_size
+        while token in self.eos_token_ids:
+            token = (token + 1) % self.config.vocab_size
+        return token
+
+    def _forward(self, requests: list[ExecuteRequest], num_loaded: int, num_failed: int):
+        result = ExecuteResult(num_loaded_blocks=num_loaded, num_failed_loads=num_failed)
+        if not requests:
+            return [], None, result
+        time.sleep(self.sleep_s)
+        result.num_prefill_tokens = sum(len(r.token_ids) for r in requests if len(r.token_ids) > 1)
+        result.num_decode_tokens = sum(1 for r in requests if len(r.token_ids) == 1)
+        self.num_prefill_tokens += result.num_prefill_tokens
+        self.num_decode_tokens += result.num_decode_tokens
+        return [r for r in requests if r.sample], None, result

@@ -1,0 +1,238 @@
+// Paged attention and the KV cache write for the CPU, reading K/V through the block tables in place.
+//
+// One work item is (sequence, KV head, a run of that head's query rows): the rows of the G query heads that
+// share the KV head are served by one pass over its blocks (GQA). Softmax is online, in float32. Items run on
+// torch's OpenMP threads, heaviest first with dynamic scheduling. The instruction set is picked at run time
+// (AVX-512, AVX2 + FMA, or the baseline ISA with 128-bit vectors) from what the CPU reports; select_isa forces one for tests.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int MAX_HEAD_DIM = 256;
+constexpr int MAX_DOT_ROWS = 16;  // items with fewer rows than a vector holds take the dot-product path
+constexpr int ROW_VECS = 2;
+
+// All-zero bits are 0.0 in float32 and in bfloat16: one row serves both.
+alignas(64) const float kZeros[MAX_HEAD_DIM] = {};
+
+struct Args {
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  void* out;
+  const void* zeros;  // a row of head_dim zeros: keys past the end read it
+  const int32_t* query_start;
+  const int32_t* context_lens;
+  const int32_t* block_tables;
+  long query_stride, out_stride, block_table_stride;
+  int num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  bool bf16;
+};
+
+struct WorkItem {
+  int seq, kv_head, row0, rows;
+  bool rows_path;
+  double cost;
+};
+
+}  // namespace
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+namespace isa_avx512 {
+constexpr int W = 16;
+constexpr int ROWS_KEY_CHUNK = 8;  // ROW_VECS x 8 score accumulators of the 32 vector registers
+#include "paged_attention_impl.h"
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace isa_avx2 {
+constexpr int W = 8;
+constexpr int ROWS_KEY_CHUNK = 4;  // 16 vector registers: more accumulators would spill
+#include "paged_attention_impl.h"
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
+namespace isa_baseline {
+constexpr int W = 4;  // 128-bit vectors: SSE2 on x86-64, NEON on arm64
+constexpr int ROWS_KEY_CHUNK = 4;
+#include "paged_attention_impl.h"
+}  // namespace isa_baseline
+
+namespace {
+
+enum class Isa { baseline, avx2, avx512 };
+
+bool supported(Isa isa) {
+#if !defined(__x86_64__)
+  return isa == Isa::baseline;
+#else
+  switch (isa) {
+    case Isa::avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma");
+    case Isa::avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default:
+      return true;
+  }
+#endif
+}
+
+Isa best_isa() { return supported(Isa::avx512) ? Isa::avx512 : supported(Isa::avx2) ? Isa::avx2 : Isa::baseline; }
+
+Isa current_isa = best_isa();
+
+const char* isa_name(Isa isa) { return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "baseline"; }
+
+int vector_width(Isa isa) { return isa == Isa::avx512 ? 16 : isa == Isa::avx2 ? 8 : 4; }
+
+std::string select_isa(const std::string& name) {
+  std::string previous = isa_name(current_isa);
+  Isa isa;
+  if (name == "auto")
+    isa = best_isa();
+  else if (name == "avx512")
+    isa = Isa::avx512;
+  else if (name == "avx2")
+    isa = Isa::avx2;
+  else if (name == "baseline")
+    isa = Isa::baseline;
+  else
+    TORCH_CHECK(false, "unknown instruction set ", name, "; choose auto, avx512, avx2 or baseline");
+  TORCH_CHECK(supported(isa), "this CPU cannot run the ", name, " path");
+  current_isa = isa;
+  return previous;
+}
+
+std::string active_isa() { return isa_name(current_isa); }
+
+void check_cache(const at::Tensor& cache, const at::Tensor& other) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), "caches are contiguous [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(cache.sizes() == other.sizes() && cache.scalar_type() == other.scalar_type(), "key and value caches differ");
+  TORCH_CHECK(cache.scalar_type() == at::kFloat || cache.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(cache.size(3) % 16 == 0 && cache.size(3) <= MAX_HEAD_DIM, "head_dim must be a multiple of 16, at most ", MAX_HEAD_DIM);
+}
+
+// out [T, H * D] and query [T, H * D] (rows may be strided, each row's heads contiguous), caches HND,
+// query_start [S + 1], context_lens [S], block_tables [S, max_blocks] (int32): sequence s owns rows
+// [query_start[s], query_start[s + 1]), its queries are its last n positions of context_lens[s], and a query
+// at position p sees the keys at positions <= p.
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& query_start, const at::Tensor& context_lens,
+                     const at::Tensor& block_tables, int64_t num_heads, double scale) {
+  check_cache(key_cache, value_cache);
+  const int kvh = key_cache.size(1), D = key_cache.size(3);
+  TORCH_CHECK(num_heads % kvh == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(query.dim() == 2 && query.size(1) == num_heads * D && query.stride(1) == 1, "query is [T, H * D]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(1) == 1, "out is [T, H * D]");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == key_cache.scalar_type(),
+              "query, out and caches share a dtype");
+  for (const at::Tensor* t : {&query_start, &context_lens, &block_tables})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "metadata is contiguous int32");
+  const int num_seqs = context_lens.size(0);
+  TORCH_CHECK(query_start.size(0) == num_seqs + 1 && block_tables.dim() == 2 && block_tables.size(0) >= num_seqs,
+              "metadata sizes disagree");
+  if (num_seqs == 0) return;
+
+  const int G = num_heads / kvh, W = vector_width(current_isa);
+  Args a{query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), kZeros,
+         query_start.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
+         query.stride(0), out.stride(0), block_tables.stride(0), (int)num_heads, kvh, D, (int)key_cache.size(2),
+         (float)scale, key_cache.scalar_type() == at::kBFloat16};
+
+  std::vector<WorkItem> items;
+  const int32_t* qs = a.query_start;
+  const int32_t* cl = a.context_lens;
+  for (int s = 0; s < num_seqs; s++) {
+    const int n = qs[s + 1] - qs[s], rows = n * G;
+    TORCH_CHECK(n > 0 && n <= cl[s], "sequence ", s, " has ", n, " queries over a context of ", cl[s]);
+    TORCH_CHECK((cl[s] + a.block_size - 1) / a.block_size <= block_tables.size(1), "block table too short");
+    const bool rows_path = rows >= W;
+    const int tile = rows_path ? ROW_VECS * W : rows;
+    for (int row0 = 0; row0 < rows; row0 += tile) {
+      const int r = std::min(tile, rows - row0);
+      const double keys = cl[s] - n + (row0 + r - 1) / G + 1;
+      for (int h = 0; h < kvh; h++) items.push_back({s, h, row0, r, rows_path, keys * (rows_path ? tile : r + 4)});
+    }
+  }
+  // Heaviest first: the dynamic schedule then ends with small items and the threads finish together.
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
+  const long num_items = items.size();
+  const WorkItem* it = items.data();
+  const Isa isa = current_isa;
+  const int threads = std::min<long>(at::get_num_threads(), num_items);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (long i = 0; i < num_items; i++) {
+#if defined(__x86_64__)
+    if (isa == Isa::avx512)
+      isa_avx512::run(a, it[i]);
+    else if (isa == Isa::avx2)
+      isa_avx2::run(a, it[i]);
+    else
+#endif
+      isa_baseline::run(a, it[i]);
+  }
+}
+
+// key/value [T, KVH * D] (rows may be strided) into their slots; a negative slot is skipped (padding).
+void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                 const at::Tensor& slot_mapping) {
+  check_cache(key_cache, value_cache);
+  const int kvh = key_cache.size(1), bs = key_cache.size(2), D = key_cache.size(3);
+  const long num_slots = key_cache.size(0) * bs;
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == kvh * D && t->stride(1) == 1 && t->scalar_type() == key_cache.scalar_type(),
+                "key and value are [T, KVH * D] in the caches' dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.size(0) == key.size(0) && value.size(0) == key.size(0), "slot_mapping is [T] int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const long T = key.size(0);
+  for (long t = 0; t < T; t++) TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " outside the cache");
+  const long elem = key_cache.element_size(), row_bytes = D * elem;
+  char* kc = (char*)key_cache.data_ptr();
+  char* vc = (char*)value_cache.data_ptr();
+  const char* k = (const char*)key.data_ptr();
+  const char* v = (const char*)value.data_ptr();
+  const long ks = key.stride(0) * elem, vs = value.stride(0) * elem;
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      if (slots[t] < 0) continue;
+      const long block = slots[t] / bs, offset = slots[t] % bs;
+      for (int h = 0; h < kvh; h++) {
+        const long dst = ((block * kvh + h) * bs + offset) * row_bytes;
+        std::memcpy(kc + dst, k + t * ks + h * row_bytes, row_bytes);
+        std::memcpy(vc + dst, v + t * vs + h * row_bytes, row_bytes);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor query_start, "
+        "Tensor context_lens, Tensor block_tables, int num_heads, float scale) -> ()");
+  m.def("write_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("select_isa(str name) -> str", select_isa);
+  m.def("active_isa() -> str", active_isa);
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_attention", paged_attention);
+  m.impl("write_cache", write_cache);
+}

@@ -1,0 +1,350 @@
+// One instruction set's paged-attention code. paged_attention_cpu.cpp includes this file three times, each
+// inside its own namespace and `#pragma GCC target` region, with W (floats per vector) and ROWS_KEY_CHUNK
+// (keys per step of the row-vector path, as many as the registers hold) defined: AVX-512
+// (W = 16), AVX2 + FMA (W = 8) and the baseline ISA (W = 4). It uses GCC vector extensions and builtins only, and nothing from a header, so that no code from a
+// standard template gets compiled for a wider ISA than the one it is called on.
+//
+// Cache layout (HND): [num_blocks, num_kv_heads, block_size, head_dim]; position p of a sequence lives in
+// block table[p / block_size] at offset p % block_size. T is float or uint16_t (bfloat16 bits).
+
+typedef float V __attribute__((vector_size(W * 4), aligned(4)));
+typedef int VI __attribute__((vector_size(W * 4)));
+typedef unsigned VU __attribute__((vector_size(W * 4)));
+typedef unsigned short VH __attribute__((vector_size(W * 2), aligned(2)));
+
+static inline V splat(float x) { return V{} + x; }
+static inline V load(const float* p) { return *(const V*)p; }
+static inline V load(const unsigned short* p) { return (V)(__builtin_convertvector(*(const VH*)p, VU) << 16); }
+static inline void store(float* p, V v) { *(V*)p = v; }
+static inline float to_float(float x) { return x; }
+static inline float to_float(unsigned short x) {
+  unsigned u = (unsigned)x << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+static inline void from_float(float x, float* p) { *p = x; }
+static inline void from_float(float x, unsigned short* p) {  // round to nearest even, as torch does
+  unsigned u;
+  __builtin_memcpy(&u, &x, 4);
+  *p = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)0x7fc0 : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline V vmax(V a, V b) { return a > b ? a : b; }
+// Horizontal sum and max by halving: log2(W) dependent steps instead of W.
+template <int N, typename VV>
+static inline float hsum_n(VV v) {
+  if constexpr (N == 16)
+    return hsum_n<8>(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+  else if constexpr (N == 8)
+    return hsum_n<4>(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  else {
+    VV s = v + __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    s = s + __builtin_shufflevector(s, s, 1, 0, 3, 2);
+    return s[0];
+  }
+}
+template <int N, typename VV>
+static inline float hmax_n(VV v) {
+  if constexpr (N == 16) {
+    auto lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    auto hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    return hmax_n<8>(lo > hi ? lo : hi);
+  } else if constexpr (N == 8) {
+    auto lo = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+    auto hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return hmax_n<4>(lo > hi ? lo : hi);
+  } else {
+    VV t = __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    VV s = v > t ? v : t;
+    t = __builtin_shufflevector(s, s, 1, 0, 3, 2);
+    s = s > t ? s : t;
+    return s[0];
+  }
+}
+static inline float hsum(V v) { return hsum_n<W>(v); }
+
+// Lane i of the result is the sum of lanes 2i and 2i + 1 of x ++ y.
+template <int N, typename VV>
+static inline VV pair_sum_n(VV x, VV y) {
+  if constexpr (N == 16)
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  else if constexpr (N == 8)
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
+  else
+    return __builtin_shufflevector(x, y, 0, 2, 4, 6) + __builtin_shufflevector(x, y, 1, 3, 5, 7);
+}
+static inline V pair_sum(V x, V y) { return pair_sum_n<W>(x, y); }
+
+// Lane j of the result is the horizontal sum of p[j] (p is consumed): W sums for W - 1 pair_sums, with no
+// store and reload of the scalars.
+static inline V transpose_sum(V* p) {
+  for (int n = W; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; i++) p[i] = pair_sum(p[2 * i], p[2 * i + 1]);
+  return p[0];
+}
+static inline float hmax(V v) { return hmax_n<W>(v); }
+
+// exp(x) to within 2 ulp for x in [-87, 88] (Cephes' polynomial); exp(-inf) comes out near 1e-38, so
+// callers zero masked entries themselves.
+static inline V vexp(V x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  V fx = x * 1.44269504088896341f + 0.5f;
+  V n = __builtin_convertvector(__builtin_convertvector(fx, VI), V);
+  n = n - __builtin_convertvector(-(fx < n), V);  // truncation rounded negatives up: floor
+  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  VI e = (__builtin_convertvector(n, VI) + 127) << 23;
+  return p * (V)e;
+}
+
+// Points kp/vp at the K/V rows of positions [j0, j0 + count), walking the block table (one division per chunk,
+// not one per key); positions from key_end on point at a row of zeros.
+template <typename T>
+static inline void chunk_rows(const Args& a, int seq, int kv_head, int j0, int count, int key_end, const T** kp,
+                              const T** vp) {
+  const T* kc = (const T*)a.key_cache;
+  const T* vc = (const T*)a.value_cache;
+  const int32_t* table = a.block_tables + (long)seq * a.block_table_stride;
+  const long block_stride = (long)a.num_kv_heads * a.block_size * a.head_dim;
+  const long head_offset = (long)kv_head * a.block_size * a.head_dim;
+  int block = j0 / a.block_size, offset = j0 % a.block_size;
+  long base = table[block] * block_stride + head_offset;
+  for (int j = 0; j < count; j++) {
+    if (j0 + j >= key_end) {
+      kp[j] = vp[j] = (const T*)a.zeros;
+      continue;
+    }
+    kp[j] = kc + base + (long)offset * a.head_dim;
+    vp[j] = vc + base + (long)offset * a.head_dim;
+    if (++offset == a.block_size && j0 + j + 1 < key_end) {
+      offset = 0;
+      base = table[++block] * block_stride + head_offset;
+    }
+  }
+}
+
+// Float32 views of `count` K or V rows for the row-vector path, whose inner loops read single elements:
+// bfloat16 rows are converted once, a vector at a time, into buf; float32 rows are used in place. (The
+// dot-product path converts as it loads: with few rows, a store and reload would cost more.)
+template <typename T>
+static inline void float_rows(const T* const* src, int count, int D, float* buf, const float** dst) {
+  for (int j = 0; j < count; j++) {
+    if constexpr (sizeof(T) == 4) {
+      dst[j] = (const float*)src[j];
+    } else {
+      float* row = buf + j * MAX_HEAD_DIM;
+      for (int d = 0; d < D; d += W) store(row + d, load(src[j] + d));
+      dst[j] = row;
+    }
+  }
+}
+
+// Few query rows (decodes: one query, the G heads of a KV head): scores are dot products along head_dim,
+// keys W at a time so that the softmax of a chunk is one vector.
+template <typename T, int HEAD_DIM>
+static void attend_dot(const Args& a, const WorkItem& it) {
+  const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
+  const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
+  const T* q = (const T*)a.query;
+  alignas(64) float qs[MAX_DOT_ROWS][MAX_HEAD_DIM];
+  alignas(64) float acc[MAX_DOT_ROWS][MAX_HEAD_DIM];
+  alignas(64) float sc[MAX_DOT_ROWS][W];
+  float m[MAX_DOT_ROWS], l[MAX_DOT_ROWS];
+  int pos[MAX_DOT_ROWS];
+  const int rows = it.rows;
+  for (int r = 0; r < rows; r++) {
+    const int row = it.row0 + r;
+    const T* src = q + (long)(q0 + row / G) * a.query_stride + (h * G + row % G) * D;
+    for (int d = 0; d < D; d++) qs[r][d] = to_float(src[d]) * a.scale;
+    for (int d = 0; d < D; d++) acc[r][d] = 0.f;
+    m[r] = -__builtin_inff();
+    l[r] = 0.f;
+    pos[r] = first_pos + row / G;
+  }
+  const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
+  const T* kp[W];
+  const T* vp[W];
+  const T* next_kp[W];
+  const T* next_vp[W];
+  chunk_rows(a, s, h, 0, W, key_end, next_kp, next_vp);
+  for (int j0 = 0; j0 < key_end; j0 += W) {
+    for (int j = 0; j < W; j++) {
+      kp[j] = next_kp[j];
+      vp[j] = next_vp[j];
+    }
+    // Decode is bound by reading K/V from memory: ask for the next chunk's rows while this one computes.
+    if (j0 + W < key_end) {
+      chunk_rows(a, s, h, j0 + W, W, key_end, next_kp, next_vp);
+      for (int j = 0; j < W; j++)
+        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) {
+          __builtin_prefetch((const char*)next_kp[j] + byte);
+          __builtin_prefetch((const char*)next_vp[j] + byte);
+        }
+    }
+    V key_pos = splat((float)j0);
+    for (int j = 0; j < W; j++) key_pos[j] += (float)j;
+    for (int r = 0; r < rows; r++) {
+      V dots[W];
+      for (int j = 0; j < W; j++) {
+        dots[j] = V{};
+        for (int d = 0; d < D; d += W) dots[j] += load(&qs[r][d]) * load(kp[j] + d);
+      }
+      V scores = transpose_sum(dots);
+      scores = key_pos > splat((float)pos[r]) ? splat(-__builtin_inff()) : scores;
+      const float m_new = hmax(scores) > m[r] ? hmax(scores) : m[r];
+      const float alpha = vexp(splat(m[r] - m_new))[0];
+      V p = vexp(scores - m_new);
+      p = scores == splat(-__builtin_inff()) ? V{} : p;
+      l[r] = l[r] * alpha + hsum(p);
+      m[r] = m_new;
+      store(sc[r], p);  // the weights, read back one by one below
+      for (int d = 0; d < D; d += W) {
+        V o = load(&acc[r][d]) * alpha;
+        for (int j = 0; j < W; j++) o += sc[r][j] * load(vp[j] + d);
+        store(&acc[r][d], o);
+      }
+    }
+  }
+  T* out = (T*)a.out;
+  for (int r = 0; r < rows; r++) {
+    const int row = it.row0 + r;
+    T* dst = out + (long)(q0 + row / G) * a.out_stride + (h * G + row % G) * D;
+    const float inv = 1.f / l[r];
+    for (int d = 0; d < D; d++) from_float(acc[r][d] * inv, dst + d);
+  }
+}
+
+// Many query rows (prefill chunks): rows are vectorised instead, ROW_VECS * W of them per item, so each key
+// element is broadcast against a vector of query rows (a small GEMM with the queries transposed once) and
+// the online softmax runs across rows, with no horizontal sums.
+template <typename T, int HEAD_DIM>
+static void attend_rows(const Args& a, const WorkItem& it) {
+  constexpr int RV = ROW_VECS, RT = ROW_VECS * W, KC = ROWS_KEY_CHUNK;
+  const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
+  const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
+  const T* q = (const T*)a.query;
+  alignas(64) float qt[MAX_HEAD_DIM][RT];
+  alignas(64) float acc[MAX_HEAD_DIM][RT];
+  alignas(64) float posf[RT];
+  alignas(64) float kbuf[sizeof(T) == 4 ? 1 : KC * MAX_HEAD_DIM];
+  alignas(64) float vbuf[sizeof(T) == 4 ? 1 : KC * MAX_HEAD_DIM];
+  const int rows = it.rows;
+  for (int i = 0; i < RT; i++) {
+    const int row = it.row0 + i;
+    if (i < rows) {
+      const T* src = q + (long)(q0 + row / G) * a.query_stride + (h * G + row % G) * D;
+      for (int d = 0; d < D; d++) qt[d][i] = to_float(src[d]) * a.scale;
+      posf[i] = (float)(first_pos + row / G);
+    } else {  // padding rows see every key (no empty softmax) and are never written
+      for (int d = 0; d < D; d++) qt[d][i] = 0.f;
+      posf[i] = 3e38f;
+    }
+  }
+  for (int d = 0; d < D; d++)
+    for (int i = 0; i < RT; i++) acc[d][i] = 0.f;
+  V pos[RV], m[RV], l[RV];
+  for (int v = 0; v < RV; v++) {
+    pos[v] = load(&posf[v * W]);
+    m[v] = splat(-__builtin_inff());
+    l[v] = V{};
+  }
+  const int min_pos = first_pos + it.row0 / G;
+  const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
+  for (int j0 = 0; j0 < key_end; j0 += KC) {
+    const T* kp[KC];
+    const T* vp[KC];
+    chunk_rows(a, s, h, j0, KC, key_end, kp, vp);
+    const float* kf[KC];
+    const float* vf[KC];
+    float_rows(kp, KC, D, kbuf, kf);
+    float_rows(vp, KC, D, vbuf, vf);
+    V sc[KC][RV];
+    for (int j = 0; j < KC; j++)
+      for (int v = 0; v < RV; v++) sc[j][v] = V{};
+    for (int d = 0; d < D; d++) {
+      V qv[RV];
+      for (int v = 0; v < RV; v++) qv[v] = load(&qt[d][v * W]);
+      for (int j = 0; j < KC; j++) {
+        const float k = kf[j][d];
+        for (int v = 0; v < RV; v++) sc[j][v] += qv[v] * k;
+      }
+    }
+    const bool masked = j0 + KC - 1 > min_pos;  // some key of the chunk lies after some row's position
+    if (masked)
+      for (int j = 0; j < KC; j++)
+        for (int v = 0; v < RV; v++) sc[j][v] = splat((float)(j0 + j)) > pos[v] ? splat(-__builtin_inff()) : sc[j][v];
+    V alpha[RV];
+    for (int v = 0; v < RV; v++) {
+      V m_new = m[v];
+      for (int j = 0; j < KC; j++) m_new = vmax(m_new, sc[j][v]);
+      alpha[v] = vexp(m[v] - m_new);
+      V sum = V{};
+      for (int j = 0; j < KC; j++) {
+        V p = vexp(sc[j][v] - m_new);
+        if (masked) p = sc[j][v] == splat(-__builtin_inff()) ? V{} : p;
+        sc[j][v] = p;
+        sum += p;
+      }
+      l[v] = l[v] * alpha[v] + sum;
+      m[v] = m_new;
+    }
+    // Four head_dim positions at a time: each accumulator takes KC dependent FMAs, so eight chains (not two)
+    // keep the FMA units busy.
+    for (int d = 0; d < D; d += 4) {
+      V o[4][RV];
+      for (int u = 0; u < 4; u++)
+        for (int v = 0; v < RV; v++) o[u][v] = load(&acc[d + u][v * W]) * alpha[v];
+      for (int j = 0; j < KC; j++)
+        for (int u = 0; u < 4; u++) {
+          const float val = vf[j][d + u];
+          for (int v = 0; v < RV; v++) o[u][v] += sc[j][v] * val;
+        }
+      for (int u = 0; u < 4; u++)
+        for (int v = 0; v < RV; v++) store(&acc[d + u][v * W], o[u][v]);
+    }
+  }
+  alignas(64) float inv[RT];
+  for (int v = 0; v < RV; v++) store(&inv[v * W], 1.f / l[v]);
+  T* out = (T*)a.out;
+  for (int i = 0; i < rows; i++) {
+    const int row = it.row0 + i;
+    T* dst = out + (long)(q0 + row / G) * a.out_stride + (h * G + row % G) * D;
+    for (int d = 0; d < D; d++) from_float(acc[d][i] * inv[i], dst + d);
+  }
+}
+
+// Head dims 64 and 128 get loops of known length (unrolled, the query rows kept in registers).
+template <typename T, int HEAD_DIM>
+static void run_item(const Args& a, const WorkItem& it) {
+  if (it.rows_path)
+    attend_rows<T, HEAD_DIM>(a, it);
+  else
+    attend_dot<T, HEAD_DIM>(a, it);
+}
+
+template <typename T>
+static void run_item(const Args& a, const WorkItem& it) {
+  if (a.head_dim == 64)
+    run_item<T, 64>(a, it);
+  else if (a.head_dim == 128)
+    run_item<T, 128>(a, it);
+  else
+    run_item<T, 0>(a, it);
+}
+
+static void run(const Args& a, const WorkItem& it) {
+  if (a.bf16)
+    run_item<unsigned short>(a, it);
+  else
+    run_item<float>(a, it);
+}

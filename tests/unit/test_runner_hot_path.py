@@ -1,0 +1,74 @@
+"""The executor on the CPU: dtype chosen from the CPU's flags and reported, torch threads from --cpu-threads,
+and a steady decode batch that reuses its sampling tensors."""
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+import pagedserve.config
+from executor_svc.model_runner import ModelRunner
+from executor_svc.server import executor_info
+from pagedserve.config import CacheConfig, ModelConfig
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import ExecuteRequest, ExecuteStep
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("flags, dtype", [(("avx512_bf16",), "bfloat16"), ((), "float32")])
+def test_auto_dtype_follows_the_cpu_and_get_info_reports_it(tiny_llama_dir, monkeypatch, caplog, flags, dtype):
+    monkeypatch.setattr(pagedserve.config, "cpu_bf16_flags", lambda: flags)
+    monkeypatch.setattr("executor_svc.model_runner.cpu_bf16_flags", lambda: flags)
+    with caplog.at_level(logging.INFO, logger="executor_svc.model_runner"):
+        runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
+    assert executor_info(runner).dtype == dtype and runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+    reason = "the CPU has avx512_bf16" if flags else "the CPU has no native bfloat16 matrix support"
+    assert f"dtype {dtype} (auto: {reason})" in caplog.text
+
+
+def test_cpu_threads_sets_torchs_threads(tiny_llama_dir, restore_threads):
+    ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu", cpu_threads=1), CacheConfig(kv_cache_memory=1 << 20))
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(1)
+    ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
+    assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+
+
+def test_a_steady_decode_batch_reuses_its_sampling_tensors(tiny_llama_dir):
+    runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu", dtype="float32"),
+                         CacheConfig(kv_cache_memory=1 << 20, block_size=16))
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, ignore_eos=False)
+
+    def request(request_id, tokens, start, blocks=(), first=False):
+        return ExecuteRequest(request_id=request_id, token_ids=tokens, start_position=start, new_block_ids=list(blocks),
+                              sample=True, sampling_params=params if first else None, prompt_len=4)
+
+    out = runner.execute(ExecuteStep([request("a", [1, 2, 3, 4], 0, [0], True), request("b", [5, 6, 7, 8], 0, [1], True)]))
+    first = runner._last_sampling_batch[1]
+    out = runner.execute(ExecuteStep([request(r, [out.sampled[r].token_id], 4) for r in ("a", "b")]))
+    assert runner._last_sampling_batch[1] is first  # same requests, same order: no rebuild
+    runner.execute(ExecuteStep([request("b", [out.sampled["b"].token_id], 5)], finished_request_ids=["a"]))
+    assert runner._last_sampling_batch[1] is not first and len(runner._last_sampling_batch[1]) == 1
+
+
+def test_min_tokens_bans_stop_tokens_for_every_row_in_one_write(tiny_llama_dir):
+    runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu", dtype="float32"),
+                         CacheConfig(kv_cache_memory=1 << 20, block_size=16))
+    early = SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop_token_ids=[7])
+    late = SamplingParams(temperature=0, max_tokens=8, min_tokens=0, stop_token_ids=[7])
+    steps = [ExecuteRequest(request_id=r, token_ids=[1, 2], start_position=0, new_block_ids=[i], sample=True,
+                            sampling_params=p, prompt_len=2) for i, (r, p) in enumerate((("early", early), ("late", late)))]
+    runner.execute(ExecuteStep(steps))
+    logits = torch.zeros(2, runner.config.vocab_size)
+    runner._ban_stop_tokens_before_min_tokens(logits, steps, [2, 2])
+    banned = {7, *runner.eos_token_ids}
+    assert set(torch.nonzero(logits[0] == float("-inf")).flatten().tolist()) == banned
+    assert not torch.isinf(logits[1]).any()
