@@ -19,6 +19,8 @@ from executor_svc.kv_cache import kv_cache_budget, num_blocks_for_budget
 from executor_svc.model_config import ModelArchitecture, parse_dtype
 from executor_svc.model_loader import generation_eos_token_ids, model_fingerprint, resolve_model_dir
 from executor_svc.model_runner import ModelRunner
+from executor_svc.sampler import TokenCounts
+from executor_svc.structured_output import StructuredOutput
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.step import ExecuteRequest, ExecuteResult, ExecuteStep, SampledToken
 
@@ -53,6 +55,9 @@ class SleepingRunner(ModelRunner):
         self.max_model_len = min(self.config.max_model_len, self.num_blocks * self.block_size)
         self.block_bytes = self.config.kv_bytes_per_token(self.dtype) * self.block_size
         self.requests = {}
+        # The per-request state of penalties and grammars lives here too: the step code keeps it up to date.
+        self.token_counts = TokenCounts(self.config.vocab_size, self.device)
+        self.structured_output = StructuredOutput(self.model_dir, self.config.vocab_size, self.eos_token_ids)
         self.epoch = uuid.uuid4().hex
         self.scheduler_id = ""
         self.offload_tier = None  # no KV to save: blocks asked from the tier count as failed loads

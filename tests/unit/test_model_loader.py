@@ -30,8 +30,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(safetensors_files(sharded)) > 2
     tokens = [5, 9, 11, 3, 7]
-    a = last_logits(ModelRunner(ModelConfig(str(single), device="cpu"), CacheConfig(kv_cache_memory=1 << 20)), tokens)
-    b = last_logits(ModelRunner(ModelConfig(str(sharded), device="cpu"), CacheConfig(kv_cache_memory=1 << 20)), tokens)
+    a = last_logits(ModelRunner(ModelConfig(str(single), device="cpu", dtype="float32"), CacheConfig(kv_cache_memory=1 << 20)), tokens)
+    b = last_logits(ModelRunner(ModelConfig(str(sharded), device="cpu", dtype="float32"), CacheConfig(kv_cache_memory=1 << 20)), tokens)
     assert torch.equal(a, b)
     with torch.no_grad():
         expected = model(torch.tensor([tokens])).logits[0, -1]
