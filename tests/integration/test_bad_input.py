@@ -198,8 +198,9 @@ def test_a_prompt_of_megabytes_is_refused_at_once_by_its_length_in_characters(cl
 
 
 def test_a_deadline_ends_the_request_and_frees_its_blocks(stack, client):
-    request = build_request(prompt_token_ids=list(range(1, 40)), max_tokens=400, ignore_eos=True, temperature=0)
-    stream = client.stream(request, timeout=1.0)
+    # 470 decode steps cannot fit in half a second (each step is two RPCs), while the first token does.
+    request = build_request(prompt_token_ids=list(range(1, 40)), max_tokens=470, ignore_eos=True, temperature=0)
+    stream = client.stream(request, timeout=0.5)
     held = None
     with pytest.raises(grpc.RpcError) as info:
         for _ in stream:
