@@ -34,9 +34,9 @@ def main() -> None:
 
     config = PagedServeConfig.from_kwargs(model=args.model, device="cpu", port=0, log_level="WARNING",
                                           benchmark_sleep_ms=args.sleep_ms, max_num_seqs=args.requests,
-                                          kv_cache_memory=1 << 30)
+                                          kv_cache_memory=96 << 30)  # no KV tensors: room for every request
     # Long enough to outlast the window at the rate steps can possibly go.
-    max_tokens = int(2 * args.window * 1000 / args.sleep_ms) + 100
+    max_tokens = int(1.2 * args.window * 1000 / args.sleep_ms) + 100
     with Stack(config) as stack, GenerateClient(stack.address) as client:
         streams = []
 
