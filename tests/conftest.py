@@ -73,3 +73,35 @@ def redis_server():
         pytest.fail(str(error))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def up_config(monkeypatch):
+    """Runs `pagedserve up` with the given flags as far as starting the stack, and returns the configuration
+    it would start the stack with (the stack itself is not started)."""
+    import pagedserve.entrypoints.launcher
+    from pagedserve.entrypoints import cli
+
+    seen = []
+
+    class Started(Exception):
+        pass
+
+    class FakeStack:
+        def __init__(self, config):
+            seen.append(config)
+
+        def __enter__(self):
+            raise Started
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(pagedserve.entrypoints.launcher, "Stack", FakeStack)
+
+    def run(argv: list[str]):
+        with pytest.raises(Started):
+            cli.main(["up", *argv])
+        return seen[-1]
+
+    return run

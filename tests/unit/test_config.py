@@ -130,31 +130,12 @@ def test_the_launchers_argv_parses_with_each_services_parser():
     assert stack.address == "0.0.0.0:1234"
 
 
-def test_pagedserve_up_builds_the_config_from_its_flags(monkeypatch, capsys):
-    import pagedserve.entrypoints.launcher
-
-    seen = []
-
-    class Started(Exception):
-        pass
-
-    class FakeStack:
-        def __init__(self, config):
-            seen.append(config)
-
-        def __enter__(self):
-            raise Started
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(pagedserve.entrypoints.launcher, "Stack", FakeStack)
-    with pytest.raises(Started):
-        cli.main(["up", *cfg.to_argv(CHANGED, cli.UP_SECTIONS)])
+def test_pagedserve_up_builds_the_config_from_its_flags(up_config, capsys):
+    config = up_config(cfg.to_argv(CHANGED, cli.UP_SECTIONS))
     expected = _expected(CHANGED, cli.UP_SECTIONS)
-    assert (seen[-1].model_config, seen[-1].cache_config, seen[-1].scheduler_config) == (
+    assert (config.model_config, config.cache_config, config.scheduler_config) == (
         expected[ModelConfig], expected[CacheConfig], expected[SchedulerConfig])
-    assert seen[-1].serving_config == expected[ServingConfig]
+    assert config.serving_config == expected[ServingConfig]
     with pytest.raises(SystemExit):
         cli.main(["up", "--max-num-seqs", "0"])
     assert "max_num_seqs must be at least 1" in capsys.readouterr().err

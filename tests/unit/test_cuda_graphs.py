@@ -113,38 +113,17 @@ def test_launcher_passes_backend_and_graph_options_to_the_executor():
     assert executor[executor.index("--attention-backend") + 1] == "auto" and "--enforce-eager" not in executor
 
 
-def test_pagedserve_up_passes_the_backend(monkeypatch):
+def test_pagedserve_up_passes_the_backend(monkeypatch, up_config):
     import pagedserve.config
-    import pagedserve.entrypoints.launcher
     from pagedserve.entrypoints import cli
 
-    seen = []
-
-    class Started(Exception):
-        pass
-
-    class FakeStack:
-        def __init__(self, config):
-            seen.append(config)
-
-        def __enter__(self):
-            raise Started
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(pagedserve.entrypoints.launcher, "Stack", FakeStack)
-    with pytest.raises(Started):
-        cli.main(["up", "--device", "cpu", "--attention-backend", "cupy", "--enforce-eager"])
-    assert seen[-1].model_config.attention_backend == "cupy" and seen[-1].model_config.enforce_eager
+    config = up_config(["--device", "cpu", "--attention-backend", "cupy", "--enforce-eager"])
+    assert config.model_config.attention_backend == "cupy" and config.model_config.enforce_eager
     monkeypatch.setattr(pagedserve.config, "cpu_bf16_flags", lambda: ())
-    with pytest.raises(Started):
-        cli.main(["up", "--device", "cpu"])
-    assert seen[-1].model_config.attention_backend == "auto" and not seen[-1].model_config.enforce_eager
-    assert seen[-1].model_config.dtype == "float32"  # auto: float32 on a CPU without native bfloat16
-    with pytest.raises(Started):
-        cli.main(["up", "--device", "cuda"])
-    assert seen[-1].model_config.dtype == "bfloat16"
+    config = up_config(["--device", "cpu"])
+    assert config.model_config.attention_backend == "auto" and not config.model_config.enforce_eager
+    assert config.model_config.dtype == "float32"  # auto: float32 on a CPU without native bfloat16
+    assert up_config(["--device", "cuda"]).model_config.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         cli.main(["up", "--attention-backend", "flash"])
 
