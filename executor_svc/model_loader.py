@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagedserve.config import CACHE_DIR_ENV
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
@@ -27,7 +29,7 @@ DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE") or os.path.join(
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve"
     )
     return Path(root)

@@ -7,7 +7,7 @@ from pagedserve.v1 import generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "scheduler", "startup_timeout", "max_streams", "max_message_bytes",
-                    "http_address", "served_model_name",
+                    "http_address", "served_model_name", "drain_timeout_s",
                     "max_prompt_chars", "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file",
                     "internal_token_file"),
     ModelConfig: ("tokenizer",),
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
             http.stop()
         link.close()
 
-    service.serve_until_signalled(on_stop=stop)
+    service.serve_until_signalled(on_stop=stop, drainable=link, drain_timeout=serving.drain_timeout_s)
     scheduler_channel.close()
 
 

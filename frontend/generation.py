@@ -19,11 +19,13 @@ from pagedserve.step import RequestOutput, SampledToken
 
 # Seeds are int64 on the wire.
 _SEED_MODULUS = 1 << 63
+# Why a draining frontend refuses a new call.
+DRAINING = "this frontend is shutting down and takes no new requests; send them to another frontend"
 
 
 class GenerateError(Exception):
     """The call cannot go on. kind: "overloaded" (the scheduler refused it), "error" (the request failed in
-    the back end) or "unavailable" (the frontend is shutting down)."""
+    the back end) or "unavailable" (the frontend or the scheduler is shutting down)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -72,8 +74,10 @@ class GenerateCall:
         if self.cancelled:
             return
         try:
+            # Only the first choice is a new request: a draining frontend still admits the siblings of a
+            # call it has taken.
             self.link.submit(self.ids[index], self.prompt_ids, choice_params(self.params, index), self.cache_salt,
-                             self.inbox, self.priority)
+                             self.inbox, self.priority, new_call=index == 0)
         except ConnectionError as error:
             raise GenerateError("unavailable", str(error)) from None
         self.submitted.append(self.ids[index])
@@ -88,6 +92,8 @@ class GenerateCall:
             raise GenerateError("unavailable", "the frontend is shutting down")
         if output.finish_reason == "overloaded":
             raise GenerateError("overloaded", output.error or "the server is overloaded")
+        if output.finish_reason == "unavailable":
+            raise GenerateError("unavailable", output.error or "the scheduler is shutting down")
         if output.finish_reason == "error":
             raise GenerateError("error", output.error or "request failed")
         index = self.index[output.request_id]

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from frontend.generation import ChoiceDelta, GenerateCall, GenerateError
+from frontend.generation import DRAINING, ChoiceDelta, GenerateCall, GenerateError
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,8 @@ class OpenAIServer:
         return app
 
     async def health(self) -> Response:
-        return Response(status_code=200)
+        """503 while the frontend drains, so that a load balancer sends new requests elsewhere."""
+        return Response(status_code=503 if self.link.draining else 200)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -333,6 +334,9 @@ class OpenAIServer:
                            "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
 
     def _call(self, prompt_ids, params, inp: GenerateInput) -> GenerateCall:
+        # Refused here, before a stream's 200 goes out; the link refuses one that slips past (as an error event).
+        if self.link.draining:
+            raise APIError(503, DRAINING)
         return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, _AsyncInbox())
 
     @staticmethod

@@ -27,6 +27,25 @@ SERVICE_PORTS = {"frontend": 50051, "scheduler_svc": 50052, "kvcache_svc": 50053
 RESTART_BACKOFF_CAP_S = 30.0
 RESTART_STABLE_S = 60.0
 
+# The environment variables the services read. Secrets travel here rather than on a command line, which
+# `ps` shows to every local user.
+INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+CACHE_DIR_ENV = "PAGEDSERVE_CACHE"
+PARENT_PID_ENV = "PAGEDSERVE_PARENT_PID"
+# {variable: (the services that read it, what it holds)}: the docs render it, and the deployment tests check
+# that compose and Kubernetes give a service no variable it does not read.
+ENVIRONMENT = {
+    INTERNAL_TOKEN_ENV: (tuple(SERVICE_PORTS), "the shared secret every internal RPC carries (unless "
+                                               "`internal_token_file` is given)"),
+    API_KEY_ENV: (("frontend",), "an API key the public APIs accept, besides those of `api_key_file` "
+                                 "(`pagedserve generate` sends it)"),
+    CACHE_DIR_ENV: (("executor_svc",), "where models are converted and kept (default: `$XDG_CACHE_HOME/pagedserve`, "
+                                       "else `~/.cache/pagedserve`); the frontend reads the tokenizer from there"),
+    PARENT_PID_ENV: (tuple(SERVICE_PORTS), "set by `pagedserve up`: the launcher's pid; a service whose launcher "
+                                           "is gone shuts down"),
+}
+
 
 def option(default, help: str, *, choices=None, min=None, max=None, flag: bool = True):
     """A configuration field: its default, bounds (inclusive) or choices, and help. flag=False: a fact that
@@ -265,6 +284,12 @@ class ServingConfig(_Config):
     internal_token_file: str | None = option(
         None, "file holding the shared secret that internal RPCs must carry (default: `PAGEDSERVE_INTERNAL_TOKEN`"
               "; `pagedserve up` makes one per stack)")
+    drain_timeout_s: float = option(30.0, "on SIGTERM: seconds the frontend and the scheduler go on serving the "
+                                          "requests in flight (refusing new ones with UNAVAILABLE, health "
+                                          "NOT_SERVING) before they exit", min=0)
+    frontends: int = option(1, "`pagedserve up`: frontend processes; frontend k listens on the public port + k "
+                               "and the HTTP port + k", min=1, max=64)
+    executors: int = option(1, "`pagedserve up`: executor processes, on consecutive internal ports", min=1, max=64)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -396,7 +421,10 @@ def _cell(value) -> str:
 
 
 def render_tables() -> str:
-    out = []
+    out = ["### Environment variables", "", "| variable | read by | meaning |", "|---|---|---|"]
+    for name, (services, meaning) in ENVIRONMENT.items():
+        out.append(f"| `{name}` | {', '.join(services)} | {meaning} |")
+    out.append("")
     for cls in CONFIG_CLASSES:
         out += [f"### `{cls.__name__}`", "", cls.__doc__, "",
                 "| field | flag | default | allowed | meaning |", "|---|---|---|---|---|"]

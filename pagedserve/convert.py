@@ -25,6 +25,7 @@ FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
     "overloaded": common_pb2.FINISH_REASON_OVERLOADED,
+    "unavailable": common_pb2.FINISH_REASON_UNAVAILABLE,
 }
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 

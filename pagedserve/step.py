@@ -163,7 +163,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, this step's included
-    error: str | None = None  # with finish_reason "error" or "overloaded" (refused at admission)
+    error: str | None = None  # with finish_reason "error", or "overloaded" or "unavailable" (refused at admission)
 
     @property
     def finished(self) -> bool:
