@@ -45,7 +45,8 @@ DEFAULT_STOP_GRACE_S = 10.0
 HEALTHCHECK_TIMEOUT_S = 30.0
 LOCAL_HOST = "127.0.0.1"
 _SELF_HOSTS = ("0.0.0.0", "127.0.0.1", "localhost")
-_ADDRESS = re.compile(r"(?<![\w.-])([A-Za-z0-9_.-]+):(\d{1,5})(?!\d)")
+# host:port; not the user:password of a URL (followed by @), nor a port that runs on into letters.
+_ADDRESS = re.compile(r"(?<![\w.-])([A-Za-z0-9_.-]+):(\d{1,5})(?![\w@])")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)")
 _DURATION_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
 

@@ -159,8 +159,12 @@ def test_services_listen_on_the_loopback_by_default():
 def test_compose_publishes_only_the_frontend_and_only_on_the_loopback():
     from pathlib import Path
 
-    import yaml
+    from pagedserve.entrypoints.compose import load, parse_ports
 
-    compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())
-    published = {name: service.get("ports") for name, service in compose["services"].items() if service.get("ports")}
-    assert published == {"frontend": ["127.0.0.1:50051:50051"]}
+    compose = load(Path(__file__).resolve().parents[2] / "docker-compose.yml", {"PAGEDSERVE_REDIS_PASSWORD": "x"})
+    published = {name: parse_ports(service["ports"]) for name, service in compose["services"].items()
+                 if service.get("ports")}
+    assert list(published) == ["frontend"]
+    # gRPC and HTTP, a host port per replica, all on the loopback.
+    assert [(p.host_ip, p.first, p.container) for p in published["frontend"]] == [
+        ("127.0.0.1", 50051, 50051), ("127.0.0.1", 8000, 8000)]

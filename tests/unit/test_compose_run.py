@@ -86,6 +86,10 @@ def test_a_local_run_rewrites_names_and_ports_per_replica(tmp_path):
             "--port", str(17200 + k), "--scheduler", f"127.0.0.1:{back}", "--http-address", f"127.0.0.1:{17300 + k}"]
         assert stack.checks[name][-1] == f"127.0.0.1:{17200 + k}"
     side = stack.local_port("side", 0, 7100)
+    # A URL's user:password is no address, whatever digits the password starts with.
+    for password in ("14ab", "1234"):
+        assert stack._rewrite("front", f"redis://default:{password}@alias:7100/0") == \
+            f"redis://default:{password}@127.0.0.1:{side}/0"
     assert stack.environment("front-1")["TARGET"] == f"127.0.0.1:{side}"  # an alias is its service
     assert stack.environment("front-1")["OTHER"] == "plain"
     assert stack.stop_timeouts()["front"] == 10.0  # compose's default stop_grace_period
