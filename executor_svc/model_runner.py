@@ -29,12 +29,16 @@ from executor_svc.model_loader import (
 from executor_svc.models.llama import LlamaForCausalLM
 from executor_svc.offload import HostTier, RedisTier
 from executor_svc.sampler import Sampler, SamplingBatch, TokenCounts
-from executor_svc.structured_output import GrammarError, StructuredOutput
+from executor_svc.structured_output import GrammarError, RequestGrammar, StructuredOutput
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_flags
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep
+from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken
 
 logger = logging.getLogger(__name__)
+
+# Prompt logprobs are computed over this many positions at a time: a [rows, vocab] float32 block each.
+PROMPT_LOGPROBS_ROWS = 256
+
 
 def _dtype_reason(requested: str, resolved: ModelConfig) -> str:
     if requested != "auto":
@@ -54,7 +58,12 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     prompt_len: int
-    matcher: object | None = None  # the grammar matcher of a structured request (xgrammar.GrammarMatcher)
+    grammar: RequestGrammar | None = None  # of a structured request
+    # Penalties and grammars have followed the tokens before this position (a deferred request computes its
+    # last token again: it is not counted twice).
+    num_followed: int = 0
+    # Prompt logprobs: the log-softmax of the last position computed, whose next token starts the next chunk.
+    prompt_logprobs_row: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -146,6 +155,7 @@ class ModelRunner:
         """Runs the step. Raises StaleEpoch for a step planned for another executor instance; refuses (in
         result.rejected) the requests that would read or write outside what they own."""
         sampling, logits, result = self._run_model(step)
+        sampling, logits = self._wait_for_grammars(step, sampling, logits, result)
         if not sampling:
             return result
         params = [self.requests[r.request_id].params for r in sampling]
@@ -156,13 +166,36 @@ class ModelRunner:
         if batch.penalty_rows is not None:
             penalty_counts = self.token_counts.gather([r.request_id for r, p in zip(sampling, params) if p.has_penalties])
         grammar_mask = None
-        grammar_rows = [row for row, r in enumerate(sampling) if self.requests[r.request_id].matcher is not None]
+        grammar_rows = [row for row, r in enumerate(sampling) if self.requests[r.request_id].grammar is not None]
         if grammar_rows:
-            matchers = [self.requests[sampling[row].request_id].matcher for row in grammar_rows]
-            grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, matchers), grammar_rows)
+            grammars = [self.requests[sampling[row].request_id].grammar for row in grammar_rows]
+            grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, grammars), grammar_rows)
         tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask).to_sampled_tokens(batch)
         result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
         return result
+
+    def _wait_for_grammars(self, step: ExecuteStep, sampling: list[ExecuteRequest], logits, result: ExecuteResult):
+        """The requests to sample, and their logits, less those whose grammar has not compiled yet: deferred
+        while the step serves anyone else (who would otherwise wait for the compilation), waited for when it
+        serves only them; and refused when their grammar did not compile."""
+        pending = [r.request_id for r in sampling
+                   if (grammar := self.requests[r.request_id].grammar) is not None and grammar.matcher is None]
+        if not pending:
+            return sampling, logits
+        alone = len(pending) == len(step.requests)
+        keep = []
+        for row, req in enumerate(sampling):
+            if req.request_id in pending:
+                try:
+                    if not self.requests[req.request_id].grammar.ready(req.request_id, wait=alone):
+                        result.deferred.append(req.request_id)
+                        continue
+                except GrammarError as error:
+                    result.rejected[req.request_id] = str(error)
+                    self._drop(req.request_id)
+                    continue
+            keep.append(row)
+        return [sampling[row] for row in keep], logits[keep]
 
     def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
         """The step's SamplingBatch, rebuilt only when its rows' parameter objects (a request's, kept from its
@@ -228,39 +261,37 @@ class ModelRunner:
         self.token_counts.remove(request_id)
 
     def _new_state(self, req: ExecuteRequest) -> str | None:
-        """(Re)creates the request's state; the reason it cannot run, or None."""
+        """(Re)creates the request's state (its grammar, if any, starts compiling); the reason it cannot run,
+        or None."""
         self._drop(req.request_id)
         params = req.sampling_params
-        matcher = None
-        if params.structured:
-            try:
-                matcher = self.structured_output.matcher(params)
-            except GrammarError as error:
-                return str(error)
+        grammar = self.structured_output.grammar(params) if params.structured else None
         if params.has_penalties:
             self.token_counts.add(req.request_id)
-        self.requests[req.request_id] = RequestState(params, list(req.new_block_ids), req.prompt_len, matcher)
+        self.requests[req.request_id] = RequestState(params, list(req.new_block_ids), req.prompt_len, grammar)
         return None
 
     def _follow_tokens(self, requests: list[ExecuteRequest]) -> None:
         """Feeds the step's tokens (and, for a new state, its uncomputed prefix) to the penalty counts and the
-        grammar matchers of the requests that have them, before anything samples."""
+        grammars of the requests that have them, before anything samples; each token once."""
         count_ids, count_tokens, count_is_output = [], [], []
         for req in requests:
             state = self.requests[req.request_id]
             if not state.params.needs_token_history:
                 continue
             prefix = req.prefix_token_ids if req.sampling_params is not None else []
+            start = req.start_position - len(prefix)
             tokens = prefix + req.token_ids
-            first_output = max(state.prompt_len - (req.start_position - len(prefix)), 0)
+            seen = max(state.num_followed - start, 0)
+            tokens, start = tokens[seen:], start + seen
+            state.num_followed = max(state.num_followed, start + len(tokens))
+            first_output = max(state.prompt_len - start, 0)
             if state.params.has_penalties:
                 count_ids += [req.request_id] * len(tokens)
                 count_tokens += tokens
                 count_is_output += [i >= first_output for i in range(len(tokens))]
-            if state.matcher is not None:
-                for token in tokens[first_output:]:
-                    if not state.matcher.accept_token(token):
-                        logger.warning("request %s: token %d is outside its grammar", req.request_id, token)
+            if state.grammar is not None:
+                state.grammar.follow(req.request_id, tokens[first_output:])
         self.token_counts.record(count_ids, count_tokens, count_is_output)
 
     def _check(self, req: ExecuteRequest) -> str | None:
@@ -312,11 +343,45 @@ class ModelRunner:
         self.num_prefill_tokens += result.num_prefill_tokens
         self.num_decode_tokens += result.num_decode_tokens
         row_ends = np.cumsum([len(r.token_ids) for r in ordered]) - 1
+        for i, req in enumerate(ordered):
+            if req.prompt_logprobs:
+                end = int(row_ends[i]) + 1
+                run = self._prompt_logprobs(req, hidden[end - len(req.token_ids):end])
+                if run.tokens:
+                    result.prompt_logprobs[req.request_id] = run
         sample_rows = [int(row_ends[i]) for i, r in enumerate(ordered) if r.sample]
         if not sample_rows:
             return [], None, result
         logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=self.device)])
         return [r for r in ordered if r.sample], logits, result
+
+    def _prompt_logprobs(self, req: ExecuteRequest, hidden: torch.Tensor) -> PromptLogprobs:
+        """The logprobs of the prompt tokens that the request's rows (hidden) predict, and of its first token
+        from the previous chunk's last row; keeps this chunk's last row when the prompt goes on past it."""
+        state = self.requests[req.request_id]
+        num_top = state.params.prompt_logprobs
+        start, end = req.start_position, req.start_position + len(req.token_ids)
+        blocks = []  # (log-softmax rows [k, V], the k tokens they predict)
+        first_position = start + 1
+        if state.prompt_logprobs_row is not None:
+            blocks.append((state.prompt_logprobs_row, req.token_ids[:1]))
+            first_position = start
+        # Position p predicts the token at p + 1: within the chunk, up to the prompt's last token.
+        num_inside = max(min(end, state.prompt_len) - start - 1, 0)
+        for first in range(0, num_inside, PROMPT_LOGPROBS_ROWS):
+            count = min(PROMPT_LOGPROBS_ROWS, num_inside - first)
+            blocks.append((self.model.compute_logits(hidden[first:first + count]).log_softmax(dim=-1),
+                           req.token_ids[first + 1:first + 1 + count]))
+        state.prompt_logprobs_row = (self.model.compute_logits(hidden[-1:]).log_softmax(dim=-1)
+                                     if end < state.prompt_len else None)
+        tokens = []
+        for rows, targets in blocks:
+            chosen = rows.gather(1, torch.tensor(targets, device=rows.device).unsqueeze(1)).squeeze(1).tolist()
+            top = rows.topk(num_top, dim=-1) if num_top else None
+            top_ids = top.indices.tolist() if top is not None else [[] for _ in targets]
+            top_logprobs = top.values.tolist() if top is not None else [[] for _ in targets]
+            tokens += [SampledToken(*entry) for entry in zip(targets, chosen, top_ids, top_logprobs)]
+        return PromptLogprobs(first_position, tokens)
 
     def _compute_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The final-norm hidden states of the step's rows: a replayed CUDA graph for a decode step that one

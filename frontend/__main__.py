@@ -1,7 +1,7 @@
 """python -m frontend --port 50051 --scheduler 127.0.0.1:50052 [--http-address 127.0.0.1:8000]"""
 from __future__ import annotations
 
-from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, parse
+from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, model_name, parse
 from pagedserve.service import Security, Service, channel, configure_logging
 from pagedserve.v1 import generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     if serving.http_address:
         from frontend.http_server import HttpServer, OpenAIServer
 
-        api = OpenAIServer(link, tokenizer, serving.served_model_name or info.model, info.max_model_len,
+        api = OpenAIServer(link, tokenizer, serving.served_model_name or (model_name(info.model),), info.max_model_len,
                            info.vocab_size, max_prompt_chars, security.api_key_ok if security.api_keys else None)
         http = HttpServer(api.app, serving.http_address, serving.log_level, serving.tls_cert, serving.tls_key,
                           serving.tls_client_ca)

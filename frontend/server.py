@@ -192,7 +192,7 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         priority=request.priority,
     )
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens",
-                 "repetition_penalty", "json_schema", "n"):
+                 "repetition_penalty", "json_schema", "n", "prompt_logprobs"):
         if sampling.HasField(name):
             setattr(inp, name, getattr(sampling, name))
     inp.presence_penalty = sampling.presence_penalty
@@ -273,6 +273,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             )
             for token in delta.logprobs or []:
                 token_to_proto(token, response.logprobs.add())
+            for token in delta.prompt_logprobs or []:
+                token_to_proto(token, response.prompt_logprobs.add())
             if delta.finish_reason is not None:
                 response.finish_reason = FINISH_REASONS[delta.finish_reason]
                 response.usage.prompt_tokens = delta.usage.prompt_tokens

@@ -20,6 +20,8 @@ CPU_KV_CACHE_CAP = 4 << 30
 # The default prompt limit in characters per token of the context: generous for any tokenizer's longest
 # tokens, and still refuses a prompt of megabytes before it costs seconds of tokenizing.
 PROMPT_CHARS_PER_TOKEN = 16
+# The default model (ModelConfig.model "default"): its name, as the HTTP API lists it.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Where each service listens unless told (--port); pagedserve up's public API is the frontend's.
 SERVICE_PORTS = {"frontend": 50051, "scheduler_svc": 50052, "kvcache_svc": 50053, "executor_svc": 50054}
 # `pagedserve up` restarts a service that dies: the backoff between restarts stops growing here, and a run
@@ -114,7 +116,7 @@ class _Config:
 class ModelConfig(_Config):
     """What runs: the checkpoint, its numbers and how the executor runs it."""
 
-    model: str = option("default", "`default` (SmolLM2-135M-Instruct), a Hugging Face directory or a `.gguf` file")
+    model: str = option("default", f"`default` ({DEFAULT_MODEL_NAME}), a Hugging Face directory or a `.gguf` file")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model's)")
     device: str = option("auto", "`auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`")
     dtype: str = option("auto", "weights and KV cache; `auto`: bfloat16 on CUDA and on a CPU with native "
@@ -150,6 +152,13 @@ class ModelConfig(_Config):
             native = device.startswith("cuda") or bool(cpu_bf16_flags())
             dtype = "bfloat16" if native else "float32"
         return dataclasses.replace(self, device=device, dtype=dtype)
+
+
+def model_name(model: str) -> str:
+    """A model's own name (ModelConfig.model): the default model's, or its directory's or GGUF file's."""
+    if model == ModelConfig.model:
+        return DEFAULT_MODEL_NAME
+    return Path(model).expanduser().resolve().name.removesuffix(".gguf")
 
 
 # CPU flags (as /proc/cpuinfo names them) of native bfloat16 matrix arithmetic: AMX tiles, AVX512 dot products.
@@ -258,7 +267,9 @@ class ServingConfig(_Config):
     max_streams: int = option(512, "concurrent Generate streams the frontend serves", min=1)
     http_address: str = option("127.0.0.1:8000", "host:port of the frontend's OpenAI-compatible HTTP API (empty: "
                                                  "none; a Stack with port 0 picks a free port)")
-    served_model_name: str | None = option(None, "the model's name on the HTTP API (default: the model's own)")
+    served_model_name: tuple[str, ...] | None = option(
+        None, "the model's names on the HTTP API: requests may name any, responses give the first (default: "
+              "the model's own: its directory's or GGUF file's name, `SmolLM2-135M-Instruct` for `default`)")
     restart_backoff: float = option(1.0, "`pagedserve up`: seconds before restarting a service that died; "
                                           "doubles with each rapid failure in a row, up to "
                                           f"{RESTART_BACKOFF_CAP_S:g}", min=0.01)
@@ -293,6 +304,8 @@ class ServingConfig(_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.served_model_name is not None and not all(name.strip() for name in self.served_model_name):
+            raise ValueError(f"served_model_name must be non-empty names, got {self.served_model_name!r}")
         if self.http_address and not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}", self.http_address):
             raise ValueError(f"http_address must be host:port, got {self.http_address!r}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -13,6 +13,7 @@ from pagedserve.step import (
     ExecuteRequest,
     ExecuteResult,
     ExecuteStep,
+    PromptLogprobs,
     RequestOutput,
     SampledToken,
 )
@@ -61,6 +62,8 @@ def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | N
     out.json_object = params.json_object
     if params.n != 1:
         out.n = params.n
+    if params.prompt_logprobs is not None:
+        out.prompt_logprobs = params.prompt_logprobs
     return out
 
 
@@ -68,7 +71,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: 
     """Unset fields take SamplingParams' defaults; raises ValueError naming a bad field."""
     fields = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty", "json_schema",
-                 "n"):
+                 "n", "prompt_logprobs"):
         if message.HasField(name):
             fields[name] = getattr(message, name)
     fields["max_tokens"] = message.max_tokens if message.HasField("max_tokens") else default_max_tokens
@@ -191,7 +194,7 @@ def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
     for r in step.requests:
         item = out.requests.add(
             request_id=r.request_id, token_ids=r.token_ids, start_position=r.start_position,
-            new_block_ids=r.new_block_ids, sample=r.sample,
+            new_block_ids=r.new_block_ids, sample=r.sample, prompt_logprobs=r.prompt_logprobs,
         )
         if r.sampling_params is not None:
             sampling_to_proto(r.sampling_params, item.sampling)
@@ -221,6 +224,7 @@ def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteS
             prompt_len=r.prompt_len,
             load_blocks=_transfers_from_proto(r.load_blocks),
             prefix_token_ids=list(r.prefix_token_ids),
+            prompt_logprobs=r.prompt_logprobs,
         ))
     step = ExecuteStep(
         requests=requests,
@@ -237,10 +241,15 @@ def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult
     out = executor_pb2.ExecuteResult(
         num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
         num_loaded_blocks=result.num_loaded_blocks, num_failed_loads=result.num_failed_loads,
-        rejected=result.rejected,
+        rejected=result.rejected, deferred=result.deferred,
     )
     for request_id, token in result.sampled.items():
         token_to_proto(token, out.sampled[request_id])
+    for request_id, run in result.prompt_logprobs.items():
+        entry = out.prompt_logprobs[request_id]
+        entry.start_position = run.start_position
+        for token in run.tokens:
+            token_to_proto(token, entry.tokens.add())
     return out
 
 
@@ -252,6 +261,9 @@ def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteRes
         num_loaded_blocks=message.num_loaded_blocks,
         num_failed_loads=message.num_failed_loads,
         rejected=dict(message.rejected),
+        prompt_logprobs={rid: PromptLogprobs(run.start_position, [token_from_proto(t) for t in run.tokens])
+                         for rid, run in message.prompt_logprobs.items()},
+        deferred=list(message.deferred),
     )
 
 
@@ -267,6 +279,7 @@ def request_output_from_proto(message: scheduler_pb2.RequestOutput) -> RequestOu
         num_prompt_tokens=message.num_prompt_tokens,
         num_output_tokens=message.num_output_tokens,
         error=message.error or None,
+        prompt_logprobs=[token_from_proto(t) for t in message.prompt_logprobs] or None,
     )
 
 
@@ -279,4 +292,6 @@ def request_output_to_proto(output: RequestOutput, out: scheduler_pb2.RequestOut
     out.num_prompt_tokens = output.num_prompt_tokens
     out.num_output_tokens = output.num_output_tokens
     out.error = output.error or ""
+    for token in output.prompt_logprobs or []:
+        token_to_proto(token, out.prompt_logprobs.add())
     return out

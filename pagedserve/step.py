@@ -112,6 +112,9 @@ class ExecuteRequest:
     # Sent with sampling_params when the sampling follows every token (sampling_params.needs_token_history):
     # the tokens before start_position, which the executor does not compute (a cached prefix).
     prefix_token_ids: list[int] = field(default_factory=list)
+    # Return the logprobs of the prompt tokens this step computes (sampling_params.prompt_logprobs): the
+    # scheduler asks while the request still lacks some.
+    prompt_logprobs: bool = False
 
 
 @dataclass(slots=True)
@@ -138,6 +141,15 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """The logprobs of a run of prompt tokens: tokens[i] is the prompt token at start_position + i (at least 1:
+    the first token of a prompt has no logprob)."""
+
+    start_position: int
+    tokens: list[SampledToken] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ExecuteResult:
     # One entry per request of the step that had sample=True.
     sampled: dict[str, SampledToken] = field(default_factory=dict)
@@ -148,6 +160,11 @@ class ExecuteResult:
     # Requests refused before anything ran (invalid token ids, block ids, positions), with the reason;
     # the rest of the step ran without them.
     rejected: dict[str, str] = field(default_factory=dict)
+    # Per request that asked (ExecuteRequest.prompt_logprobs): the logprobs of the prompt tokens it computed.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Requests that reached their sampling position but were not sampled, their grammar still compiling: their
+    # last token is computed again in a later step, which samples them.
+    deferred: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- scheduler -> frontend
@@ -164,6 +181,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, this step's included
     error: str | None = None  # with finish_reason "error", or "overloaded" or "unavailable" (refused at admission)
+    # With sampling_params.prompt_logprobs, once: the logprobs of prompt tokens 1 to the end (the first has none).
+    prompt_logprobs: list[SampledToken] | None = None
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,10 @@ A step that fails is rolled back by recompute: its requests give their blocks ba
 refuses (a bad token id, block or position) fails alone with the reason. When the executor raises for a
 step of several requests, nobody can tell which one caused it: each of them then runs in a step alone
 until one has succeeded, so that a request that fails again fails alone and the others go on.
+
+A request the executor defers (its grammar is still compiling) has its last token computed again in the
+next step, which samples it. A request that asks for its prompt's logprobs is admitted under a cache salt
+of its own until it has them all: a prompt taken from the prefix cache would not be computed, so not scored.
 """
 from __future__ import annotations
 
@@ -186,6 +190,7 @@ class Scheduler:
     def update(self, step: ExecuteStep, result: ExecuteResult) -> list[RequestOutput]:
         self.executed_step_id = self.planned_step_id
         outputs = []
+        deferred = set(result.deferred)
         for executed in step.requests:
             self.suspects.discard(executed.request_id)
             request = self.requests.get(executed.request_id)
@@ -195,6 +200,15 @@ class Scheduler:
                 self.failed_request_ids.append(executed.request_id)
                 outputs.append(self._end(request, "error", result.rejected[executed.request_id]))
                 continue
+            run = result.prompt_logprobs.get(executed.request_id)
+            if run is not None:
+                request.add_prompt_logprobs(run)
+            if executed.request_id in deferred:
+                # Not sampled (its grammar is still compiling): its last token is computed again, and sampled,
+                # in a later step.
+                request.num_computed_tokens -= 1
+                self.num_recomputed_tokens += 1
+                continue
             token = result.sampled.get(executed.request_id)
             if token is None:
                 continue
@@ -203,7 +217,11 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request)
             logprobs = [token] if request.sampling_params.logprobs is not None else None
-            outputs.append(self._output(request, [token.token_id], logprobs))
+            output = self._output(request, [token.token_id], logprobs)
+            if request.sampling_params.prompt_logprobs is not None and not request.wants_prompt_logprobs \
+                    and not request.prompt_logprobs_sent:
+                output.prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+            outputs.append(output)
         return outputs
 
     # ------------------------------------------------------------------ failures
@@ -275,9 +293,12 @@ class Scheduler:
     @staticmethod
     def _admit_request(s: _Scheduled) -> BlockRequest:
         request = s.request
+        # The prompt's logprobs come from computing it: a salt of its own for this admission finds nothing
+        # cached (vLLM skips the prefix cache for these requests too).
+        salt = f"prompt-logprobs:{uuid.uuid4().hex}" if request.wants_prompt_logprobs else request.cache_salt
         return BlockRequest(
             request.request_id, s.num_new_tokens,
-            prompt_token_ids=request.token_ids(0, request.num_tokens), cache_salt=request.cache_salt,
+            prompt_token_ids=request.token_ids(0, request.num_tokens), cache_salt=salt,
         )
 
     def _execute_request(self, s: _Scheduled, blocks: BlockStepResult, admitted: bool) -> ExecuteRequest:
@@ -304,6 +325,7 @@ class Scheduler:
             load_blocks=loads,
             prefix_token_ids=(request.token_ids(0, start)
                               if admitted and request.sampling_params.needs_token_history else []),
+            prompt_logprobs=request.wants_prompt_logprobs,
         )
 
     def _preempt(self, request: Request) -> None:

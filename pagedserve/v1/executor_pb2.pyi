@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_position", "new_block_ids", "sample", "sampling", "prompt_len", "load_blocks", "prefix_token_ids")
+    __slots__ = ("request_id", "token_ids", "start_position", "new_block_ids", "sample", "sampling", "prompt_len", "load_blocks", "prefix_token_ids", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class ExecuteRequest(_message.Message):
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
@@ -26,7 +27,8 @@ class ExecuteRequest(_message.Message):
     prompt_len: int
     load_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: bool = ...) -> None: ...
 
 class ExecuteStep(_message.Message):
     __slots__ = ("requests", "finished_request_ids", "save_blocks", "save_blocks_after", "executor_epoch", "scheduler_id")
@@ -45,7 +47,7 @@ class ExecuteStep(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., save_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., save_blocks_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., executor_epoch: _Optional[str] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
-    __slots__ = ("sampled", "num_prefill_tokens", "num_decode_tokens", "num_loaded_blocks", "num_failed_loads", "rejected")
+    __slots__ = ("sampled", "num_prefill_tokens", "num_decode_tokens", "num_loaded_blocks", "num_failed_loads", "rejected", "prompt_logprobs", "deferred")
     class SampledEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,19 +62,30 @@ class ExecuteResult(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class PromptLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.PromptLogprobs
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     sampled: _containers.MessageMap[str, _common_pb2.TokenLogprob]
     num_prefill_tokens: int
     num_decode_tokens: int
     num_loaded_blocks: int
     num_failed_loads: int
     rejected: _containers.ScalarMap[str, str]
-    def __init__(self, sampled: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., rejected: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    prompt_logprobs: _containers.MessageMap[str, _common_pb2.PromptLogprobs]
+    deferred: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sampled: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., rejected: _Optional[_Mapping[str, str]] = ..., prompt_logprobs: _Optional[_Mapping[str, _common_pb2.PromptLogprobs]] = ..., deferred: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExecutorInfoRequest(_message.Message):
     __slots__ = ()

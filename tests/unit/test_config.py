@@ -33,7 +33,7 @@ CHANGED = PagedServeConfig(
                     scheduling_policy="priority", long_prefill_token_threshold=64, max_num_partial_prefills=2),
     ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",
                   startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2,
-                  http_address="0.0.0.0:8080", served_model_name="my-model",
+                  http_address="0.0.0.0:8080", served_model_name=("my-model", "alias"),
                   max_message_bytes=1 << 20, max_prompt_chars=999,
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
                   internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2),

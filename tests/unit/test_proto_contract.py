@@ -15,6 +15,8 @@ from pagedserve.step import (
     ExecuteRequest,
     ExecuteResult,
     ExecuteStep,
+    PromptLogprobs,
+    RequestOutput,
     SampledToken,
 )
 
@@ -55,12 +57,12 @@ def test_block_step_round_trip():
 
 def test_execute_step_round_trip():
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3, max_tokens=None,
-                            min_tokens=2, stop_token_ids=[4], ignore_eos=True, logprobs=2)
+                            min_tokens=2, stop_token_ids=[4], ignore_eos=True, logprobs=2, prompt_logprobs=0)
     step = ExecuteStep(
         requests=[
             ExecuteRequest("a", [1, 2, 3], 0, [7], True, params, prompt_len=3,
                            load_blocks=[BlockTransfer(7, b"\x04" * 32)]),
-            ExecuteRequest("b", [9], 40, [], True),
+            ExecuteRequest("b", [9], 40, [], True, prompt_logprobs=True),
         ],
         finished_request_ids=["x"], executor_epoch="e1", scheduler_id="s1",
         save_blocks=[BlockTransfer(1, b"\x05" * 32)], save_blocks_after=[BlockTransfer(2, b"\x06" * 32)],
@@ -75,9 +77,20 @@ def test_execute_step_round_trip():
         sampled={"a": SampledToken(5, -0.25, [5, 6], [-0.25, -2.0]), "b": SampledToken(8), "c": SampledToken(1, 0.0, [], [])},
         num_prefill_tokens=3, num_decode_tokens=1, num_loaded_blocks=2, num_failed_loads=1,
         rejected={"d": "token id 10**9 out of range"},
+        prompt_logprobs={"a": PromptLogprobs(1, [SampledToken(2, -1.5, [3], [-0.5]), SampledToken(3, -0.5, [], [])])},
+        deferred=["e"],
     )
     back = convert.execute_result_from_proto(convert.execute_result_to_proto(result))
     assert back == result  # a logprob of exactly 0.0 is kept, not mistaken for "none asked"
+
+
+def test_request_output_round_trip():
+    from pagedserve.v1 import scheduler_pb2
+
+    output = RequestOutput("a", [5], [SampledToken(5, -0.5, [5], [-0.5])], "length", num_prompt_tokens=3,
+                           num_output_tokens=1, prompt_logprobs=[SampledToken(2, -1.0, [], []), SampledToken(4, -2.0, [], [])])
+    message = convert.request_output_to_proto(output, scheduler_pb2.RequestOutput())
+    assert convert.request_output_from_proto(message) == output
 
 
 def test_default_sampling_fields_take_vllm_defaults():
