@@ -85,9 +85,11 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class BlockTransfer(_message.Message):
-    __slots__ = ("block_id", "block_hash")
+    __slots__ = ("block_id", "block_hash", "num_tokens")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     block_id: int
     block_hash: bytes
-    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
