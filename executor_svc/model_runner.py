@@ -295,7 +295,8 @@ class ModelRunner:
         if req.load_blocks:
             partial = [t.num_tokens for t in req.load_blocks]
             if any(not 0 <= n < self.block_size for n in partial) or any(partial[:-1]):
-                return f"load_blocks: num_tokens must be in [0, {self.block_size}), and only the last may be partial"
+                return (f"load_blocks: num_tokens must be in [0, {self.block_size}), and only the last block "
+                        "may be partial")
             if num_loaded_tokens(req.load_blocks, self.block_size) >= len(req.token_ids):
                 return "load_blocks leave no token to compute"
         num_held = len(req.new_block_ids) + (len(state.block_ids) if req.sampling_params is None else 0)

@@ -82,7 +82,7 @@ class KVCacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors", "bytes_moved", "num_preemptions", "num_swaps", "blocks_swapped_out", "blocks_swapped_in")
+    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors", "bytes_moved", "num_preemptions", "num_swaps", "blocks_swapped_out", "blocks_swapped_in", "swap_blocks_in_use")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class KVCacheStats(_message.Message):
     NUM_SWAPS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SWAPPED_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_SWAPPED_IN_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_free_blocks: int
@@ -121,4 +122,5 @@ class KVCacheStats(_message.Message):
     num_swaps: int
     blocks_swapped_out: int
     blocks_swapped_in: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ...) -> None: ...
+    swap_blocks_in_use: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., swap_blocks_in_use: _Optional[int] = ...) -> None: ...
