@@ -27,12 +27,15 @@ from executor_svc.model_loader import (
     resolve_model_dir,
 )
 from executor_svc.models.llama import LlamaForCausalLM
-from executor_svc.offload import HostTier, RedisTier
+from executor_svc.costs import copy_bytes_per_s, prefill_tokens_per_s
+from executor_svc.offload import HostTier, RedisTier, SwapSpace
 from executor_svc.sampler import Sampler, SamplingBatch, TokenCounts
 from executor_svc.structured_output import GrammarError, RequestGrammar, StructuredOutput
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_flags
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken
+from pagedserve.step import (
+    BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken, num_loaded_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,13 @@ class ModelRunner:
         self.block_bytes = self.config.kv_bytes_per_token(self.dtype) * block_size
         self.blocks_saved = self.blocks_loaded = self.failed_loads = 0
         self.bytes_saved = self.bytes_loaded = 0
+        self.swap_space = SwapSpace(cache_config.swap_host_bytes)
+        # What preempting a request costs either way, for the block manager's choice between recompute and swap.
+        self.prefill_tokens_per_s = prefill_tokens_per_s(self.model)
+        self.copy_bytes_per_s = copy_bytes_per_s(self._read_blocks, self._write_blocks, self.num_blocks,
+                                                 self.block_bytes, self.device)
+        logger.info("preemption costs: prefill %.0f tokens/s (linear layers), host copies %.2f GB/s",
+                    self.prefill_tokens_per_s, self.copy_bytes_per_s / 1e9)
         # Tokens whose K/V this runner has computed since start (prefix-cache hits are not among them).
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -247,9 +257,13 @@ class ModelRunner:
             if req.sampling_params is None:
                 self.requests[req.request_id].block_ids.extend(req.new_block_ids)
         self._follow_tokens(accepted)
-        # Blocks about to be overwritten leave first; then prefix blocks come back from the tier.
+        # Blocks about to be overwritten leave first; then prefix blocks come back from host memory, after
+        # which the swap space lets go of the copies the block manager no longer needs.
         self._save_blocks(step.save_blocks)
+        self._swap_out(step.swap_out)
         requests, num_loaded, num_failed = self._load_blocks(accepted)
+        if self.swap_space is not None:
+            self.swap_space.free(step.swap_free)
         sampling, logits, result = self._forward(requests, num_loaded, num_failed)
         # Only what the step computed goes to the tier: a failed step saves nothing.
         self._save_blocks(step.save_blocks_after)
@@ -311,6 +325,13 @@ class ModelRunner:
         block_ids = req.new_block_ids + [t.block_id for t in req.load_blocks]
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             return f"block ids must be in [0, {self.num_blocks})"
+        if req.load_blocks:
+            partial = [t.num_tokens for t in req.load_blocks]
+            if any(not 0 <= n < self.block_size for n in partial) or any(partial[:-1]):
+                return (f"load_blocks: num_tokens must be in [0, {self.block_size}), and only the last block "
+                        "may be partial")
+            if num_loaded_tokens(req.load_blocks, self.block_size) >= len(req.token_ids):
+                return "load_blocks leave no token to compute"
         num_held = len(req.new_block_ids) + (len(state.block_ids) if req.sampling_params is None else 0)
         if num_held * self.block_size < end:
             return f"{num_held} blocks cannot hold {end} positions"
@@ -424,7 +445,7 @@ class ModelRunner:
             list(graphs.context_capacities),
         )
 
-    # ------------------------------------------------------------------ offload tier
+    # ------------------------------------------------------------------ host memory: offload tier, swap space
 
     def _save_blocks(self, transfers: list[BlockTransfer]) -> None:
         if self.offload_tier is None or not transfers:
@@ -434,15 +455,20 @@ class ModelRunner:
         self.blocks_saved += len(transfers)
         self.bytes_saved += sum(map(len, values))
 
+    def _swap_out(self, transfers: list[BlockTransfer]) -> None:
+        if self.swap_space is not None and transfers:
+            values = self._read_blocks([t.block_id for t in transfers])
+            self.swap_space.save([(t.block_hash, value) for t, value in zip(transfers, values)])
+
     def _load_blocks(self, requests: list[ExecuteRequest]) -> tuple[list[ExecuteRequest], int, int]:
-        """Fills each request's tier blocks and drops their tokens from what it computes; a block the tier
-        no longer has (and every block after it) is computed instead."""
+        """Fills each request's blocks to load from host memory and drops their tokens from what it computes;
+        a block found neither in the swap space nor in the tier (and every block after it) is computed."""
         out, num_loaded, num_failed = [], 0, 0
         for req in requests:
             if not req.load_blocks:
                 out.append(req)
                 continue
-            values = self.offload_tier.load([t.block_hash for t in req.load_blocks]) if self.offload_tier else []
+            values = self._find_blocks([t.block_hash for t in req.load_blocks])
             found = 0
             for value in values:
                 if value is None or len(value) != self.block_bytes:
@@ -453,13 +479,22 @@ class ModelRunner:
                 self.bytes_loaded += found * self.block_bytes
             num_loaded += found
             num_failed += len(req.load_blocks) - found
-            skip = found * self.block_size
+            skip = num_loaded_tokens(req.load_blocks[:found], self.block_size)
             out.append(dataclasses.replace(
                 req, token_ids=req.token_ids[skip:], start_position=req.start_position + skip, load_blocks=[]
             ))
         self.blocks_loaded += num_loaded
         self.failed_loads += num_failed
         return out, num_loaded, num_failed
+
+    def _find_blocks(self, block_hashes: list[bytes]) -> list[bytes | None]:
+        """Each block's bytes from the swap space, else from the offload tier; None where neither has it."""
+        values = self.swap_space.load(block_hashes) if self.swap_space is not None else [None] * len(block_hashes)
+        missing = [i for i, value in enumerate(values) if value is None]
+        if missing and self.offload_tier is not None:
+            for i, value in zip(missing, self.offload_tier.load([block_hashes[i] for i in missing])):
+                values[i] = value
+        return values
 
     def _read_blocks(self, block_ids: list[int]) -> list[bytes]:
         index = torch.as_tensor(block_ids, device=self.device)

@@ -180,7 +180,7 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class CacheConfig(_Config):
-    """The paged KV cache: its blocks, its size, prefix caching and the offload tier."""
+    """The paged KV cache: its blocks, its size, prefix caching, the offload tier and preemption."""
 
     block_size: int = option(16, "tokens per KV block", min=1, max=1024)
     kv_cache_memory: int | None = option(
@@ -199,6 +199,13 @@ class CacheConfig(_Config):
     redis_ttl: int | None = option(None, "seconds an offloaded block lives in Redis (default: until evicted)",
                                    min=1)
     offload_all: bool = option(False, "copy every block to the offload tier as it fills, not only on eviction")
+    preemption_mode: str = option(
+        "auto", "when the pool runs short, the preempted request's K/V is `recompute`d when it resumes, or its "
+                "blocks are copied to host memory and loaded back (`swap`); `auto`: whichever the executor's "
+                "measured prefill and copy speeds make cheaper, per request. Without room in `swap_host_bytes`, "
+                "recompute", choices=("recompute", "swap", "auto"))
+    swap_host_bytes: int = option(1 << 30, "bytes of host memory for the blocks of requests preempted by swap",
+                                  min=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()

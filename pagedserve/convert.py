@@ -106,11 +106,11 @@ def token_from_proto(message: common_pb2.TokenLogprob) -> SampledToken:
 
 def _transfers_to_proto(transfers: list[BlockTransfer], out) -> None:
     for t in transfers:
-        out.add(block_id=t.block_id, block_hash=t.block_hash)
+        out.add(block_id=t.block_id, block_hash=t.block_hash, num_tokens=t.num_tokens)
 
 
 def _transfers_from_proto(messages) -> list[BlockTransfer]:
-    return [BlockTransfer(m.block_id, m.block_hash) for m in messages]
+    return [BlockTransfer(m.block_id, m.block_hash, m.num_tokens) for m in messages]
 
 
 # --------------------------------------------------------------------------- scheduler <-> block manager
@@ -159,7 +159,8 @@ def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> Bloc
 
 
 def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStepResult:
-    out = kvcache_pb2.BlockStepResult(preempted_request_ids=result.preempted_request_ids)
+    out = kvcache_pb2.BlockStepResult(preempted_request_ids=result.preempted_request_ids,
+                                      swap_free=result.swap_free)
     for request_id, block_ids in result.new_block_ids.items():
         delta = out.deltas[request_id]
         delta.block_ids[:] = block_ids
@@ -167,6 +168,7 @@ def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStep
         _transfers_to_proto(result.tier_loads.get(request_id, []), delta.tier_loads)
     _transfers_to_proto(result.saves_before, out.saves_before)
     _transfers_to_proto(result.saves_after, out.saves_after)
+    _transfers_to_proto(result.swap_out, out.swap_out)
     return out
 
 
@@ -178,6 +180,8 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
         tier_loads={rid: _transfers_from_proto(d.tier_loads) for rid, d in message.deltas.items() if d.tier_loads},
         saves_before=_transfers_from_proto(message.saves_before),
         saves_after=_transfers_from_proto(message.saves_after),
+        swap_out=_transfers_from_proto(message.swap_out),
+        swap_free=list(message.swap_free),
     )
 
 
@@ -187,10 +191,11 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
 def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
     out = executor_pb2.ExecuteStep(
         finished_request_ids=step.finished_request_ids, executor_epoch=step.executor_epoch,
-        scheduler_id=step.scheduler_id,
+        scheduler_id=step.scheduler_id, swap_free=step.swap_free,
     )
     _transfers_to_proto(step.save_blocks, out.save_blocks)
     _transfers_to_proto(step.save_blocks_after, out.save_blocks_after)
+    _transfers_to_proto(step.swap_out, out.swap_out)
     for r in step.requests:
         item = out.requests.add(
             request_id=r.request_id, token_ids=r.token_ids, start_position=r.start_position,
@@ -233,6 +238,8 @@ def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteS
         scheduler_id=message.scheduler_id,
         save_blocks=_transfers_from_proto(message.save_blocks),
         save_blocks_after=_transfers_from_proto(message.save_blocks_after),
+        swap_out=_transfers_from_proto(message.swap_out),
+        swap_free=list(message.swap_free),
     )
     return step, rejected
 

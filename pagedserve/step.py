@@ -38,10 +38,18 @@ class BlockRequest:
 
 @dataclass(slots=True)
 class BlockTransfer:
-    """A block's K/V moving between the KV pool and the offload tier, named by its prefix hash."""
+    """A block's K/V moving between the KV pool and host memory (the offload tier, or the swap space of a
+    preempted request), named by its prefix hash."""
 
     block_id: int
     block_hash: bytes
+    # A load of a preempted request's last, partial block: its leading slots that hold K/V (0: all of them).
+    num_tokens: int = 0
+
+
+def num_loaded_tokens(loads: list[BlockTransfer], block_size: int) -> int:
+    """The tokens these loads fill, from the first: every block's, a partial one's leading num_tokens."""
+    return sum(load.num_tokens or block_size for load in loads)
 
 
 @dataclass(slots=True)
@@ -77,13 +85,17 @@ class BlockStepResult:
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
     # Running requests that gave all their blocks back this step, in the order taken (newest first).
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Offload tier. Per admitted request: blocks (right after its pool hits) to fill from the tier; they
-    # are counted in num_cached_tokens.
+    # Per admitted request: blocks (right after its pool hits) to fill from host memory, its own swapped
+    # copies first, then the offload tier; they are counted in num_cached_tokens.
     tier_loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)
     # Cached blocks this step hands to other tokens: copied out before the step overwrites them.
     saves_before: list[BlockTransfer] = field(default_factory=list)
     # Blocks this step fills, copied out after it (write-through, when asked for).
     saves_after: list[BlockTransfer] = field(default_factory=list)
+    # Preemption by swap: blocks of the requests preempted this step, copied to the swap space before the
+    # step overwrites them; and the swap-space copies that are no longer needed.
+    swap_out: list[BlockTransfer] = field(default_factory=list)
+    swap_free: list[bytes] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- scheduler -> executor
@@ -106,8 +118,8 @@ class ExecuteRequest:
     # Sent with sampling_params: the prompt length, from which the executor counts output tokens
     # (min_tokens keeps stop and EOS tokens from being sampled until that many exist).
     prompt_len: int = 0
-    # Blocks to fill from the offload tier before computing: they hold the first len(load_blocks) *
-    # block_size of token_ids, which are computed only if a load fails.
+    # Blocks to fill from host memory (swap space or offload tier) before computing: they hold the first
+    # num_loaded_tokens(load_blocks) of token_ids, which are computed only if a load fails.
     load_blocks: list[BlockTransfer] = field(default_factory=list)
     # Sent with sampling_params when the sampling follows every token (sampling_params.needs_token_history):
     # the tokens before start_position, which the executor does not compute (a cached prefix).
@@ -130,6 +142,10 @@ class ExecuteStep:
     # Copied to the offload tier before the step runs, and after it.
     save_blocks: list[BlockTransfer] = field(default_factory=list)
     save_blocks_after: list[BlockTransfer] = field(default_factory=list)
+    # Copied to the swap space before the step runs (before anything writes the pool); and swap-space copies
+    # released once the step's loads are done (see BlockStepResult).
+    swap_out: list[BlockTransfer] = field(default_factory=list)
+    swap_free: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)

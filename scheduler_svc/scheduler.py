@@ -7,7 +7,8 @@ with what budget is left (a long prompt gets a chunk now and the rest in later s
 the block manager as one call with every running request in priority order and the waiting candidates;
 it grows the running ones in order and, when the pool runs short, preempts from the tail (the newest
 running request gives all of its blocks back and returns to the head of the waiting queue, to be
-recomputed later: its output does not change, since it resumes from the tokens it already has). The
+re-admitted later from the tokens it already has, so its output does not change; what of its K/V the block
+manager kept, in the pool, the offload tier or the swap space, is loaded rather than recomputed). The
 scheduler never counts blocks itself.
 
 Under the priority policy both queues are kept in (priority, arrival) order, so the block manager's
@@ -42,6 +43,7 @@ from pagedserve.step import (
     ExecuteResult,
     ExecuteStep,
     RequestOutput,
+    num_loaded_tokens,
 )
 from scheduler_svc.request import Request, RequestStatus
 
@@ -92,7 +94,8 @@ class Scheduler:
         # Ended since the last step: the block manager frees them and the executor drops their state.
         self.pending_frees: list[str] = []
         self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # computed, then given back (preemption, a failed step), to compute again
+        # Computed, then given back (preemption, a failed step): recomputed, or loaded where a copy was kept.
+        self.num_recomputed_tokens = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -185,6 +188,7 @@ class Scheduler:
         return ExecuteStep(
             requests=requests, finished_request_ids=executor_frees, executor_epoch=self.executor_epoch,
             scheduler_id=self.scheduler_id, save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
+            swap_out=blocks.swap_out, swap_free=blocks.swap_free,
         )
 
     def update(self, step: ExecuteStep, result: ExecuteResult) -> list[RequestOutput]:
@@ -305,13 +309,13 @@ class Scheduler:
         request = s.request
         loads = blocks.tier_loads.get(request.request_id, []) if admitted else []
         if admitted:
-            # The block manager found this many leading tokens computed already (in the pool, or in the
-            # offload tier for the last len(loads) blocks of them): the step starts after them.
+            # The block manager found this many leading tokens computed already (in the pool, or in host
+            # memory for the last blocks of them, which the loads fill): the step starts after them.
             request.num_computed_tokens = blocks.num_cached_tokens.get(request.request_id, 0)
             request.num_tokens_sent_to_kv = request.num_tokens
         end = min(request.num_computed_tokens + s.num_new_tokens, request.num_tokens)
         # Tokens of blocks to load travel too, so that the executor can compute them if a load fails.
-        start = request.num_computed_tokens - len(loads) * self.config.block_size
+        start = request.num_computed_tokens - num_loaded_tokens(loads, self.config.block_size)
         request.num_computed_tokens = end
         return ExecuteRequest(
             request_id=request.request_id,

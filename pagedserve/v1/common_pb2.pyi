@@ -97,9 +97,11 @@ class PromptLogprobs(_message.Message):
     def __init__(self, start_position: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class BlockTransfer(_message.Message):
-    __slots__ = ("block_id", "block_hash")
+    __slots__ = ("block_id", "block_hash", "num_tokens")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     block_id: int
     block_hash: bytes
-    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...

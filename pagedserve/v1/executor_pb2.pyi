@@ -31,20 +31,24 @@ class ExecuteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: bool = ...) -> None: ...
 
 class ExecuteStep(_message.Message):
-    __slots__ = ("requests", "finished_request_ids", "save_blocks", "save_blocks_after", "executor_epoch", "scheduler_id")
+    __slots__ = ("requests", "finished_request_ids", "save_blocks", "save_blocks_after", "executor_epoch", "scheduler_id", "swap_out", "swap_free")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SAVE_BLOCKS_AFTER_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FREE_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[ExecuteRequest]
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
     save_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     save_blocks_after: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     executor_epoch: str
     scheduler_id: str
-    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., save_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., save_blocks_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., executor_epoch: _Optional[str] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
+    swap_out: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    swap_free: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., save_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., save_blocks_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., executor_epoch: _Optional[str] = ..., scheduler_id: _Optional[str] = ..., swap_out: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., swap_free: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
     __slots__ = ("sampled", "num_prefill_tokens", "num_decode_tokens", "num_loaded_blocks", "num_failed_loads", "rejected", "prompt_logprobs", "deferred")
@@ -92,7 +96,7 @@ class ExecutorInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id", "block_bytes", "epoch")
+    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id", "block_bytes", "epoch", "swap_capacity_blocks", "prefill_tokens_per_s", "copy_bytes_per_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +120,9 @@ class ExecutorInfo(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    COPY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_dir: str
     num_blocks: int
@@ -139,4 +146,7 @@ class ExecutorInfo(_message.Message):
     model_id: str
     block_bytes: int
     epoch: str
-    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+    swap_capacity_blocks: int
+    prefill_tokens_per_s: float
+    copy_bytes_per_s: float
+    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., epoch: _Optional[str] = ..., swap_capacity_blocks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., copy_bytes_per_s: _Optional[float] = ...) -> None: ...

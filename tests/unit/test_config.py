@@ -28,7 +28,7 @@ CHANGED = PagedServeConfig(
                 benchmark_sleep_ms=2.5),
     CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
                 offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True,
-                redis_namespace="tenant-7"),
+                redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77),
     SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False, max_waiting=3,
                     scheduling_policy="priority", long_prefill_token_threshold=64, max_num_partial_prefills=2),
     ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",

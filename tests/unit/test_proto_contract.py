@@ -49,8 +49,9 @@ def test_block_step_round_trip():
     assert convert.block_step_request_from_proto(convert.block_step_request_to_proto(request)) == request
     result = BlockStepResult(
         {"a": [4, 5], "b": []}, {"a": 32, "b": 0}, ["c"],
-        tier_loads={"a": [BlockTransfer(4, b"\x01" * 32)]},
+        tier_loads={"a": [BlockTransfer(4, b"\x01" * 32), BlockTransfer(5, b"\x09" * 32, num_tokens=3)]},
         saves_before=[BlockTransfer(7, b"\x02" * 32)], saves_after=[BlockTransfer(5, b"\x03" * 32)],
+        swap_out=[BlockTransfer(6, b"\x07" * 32)], swap_free=[b"\x08" * 32],
     )
     assert convert.block_step_result_from_proto(convert.block_step_result_to_proto(result)) == result
 
@@ -61,11 +62,12 @@ def test_execute_step_round_trip():
     step = ExecuteStep(
         requests=[
             ExecuteRequest("a", [1, 2, 3], 0, [7], True, params, prompt_len=3,
-                           load_blocks=[BlockTransfer(7, b"\x04" * 32)]),
+                           load_blocks=[BlockTransfer(7, b"\x04" * 32), BlockTransfer(8, b"\x09" * 32, 2)]),
             ExecuteRequest("b", [9], 40, [], True, prompt_logprobs=True),
         ],
         finished_request_ids=["x"], executor_epoch="e1", scheduler_id="s1",
         save_blocks=[BlockTransfer(1, b"\x05" * 32)], save_blocks_after=[BlockTransfer(2, b"\x06" * 32)],
+        swap_out=[BlockTransfer(3, b"\x07" * 32)], swap_free=[b"\x08" * 32],
     )
     assert convert.execute_step_from_proto(convert.execute_step_to_proto(step)) == (step, {})
     # A request whose sampling parameters do not validate is set aside alone, with the reason.
