@@ -1,7 +1,9 @@
 """Runs one engine step: flat batch in, one sampled token per finishing chunk out.
 
-The runner keeps per-request state between steps (block table, sampling parameters), so a steady-state
-decode step carries a few integers per request. It owns the model, the KV tensors and the sampler.
+The runner keeps per-request state between steps (block table, sampling parameters, the token it sampled
+last), so a steady-state decode step carries a few integers per request, and a step planned before the
+scheduler knew the last sampled tokens has the runner feed them in itself. It owns the model, the KV
+tensors and the sampler.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +35,7 @@ from executor_svc.sampler import Sampler, SamplingBatch, TokenCounts
 from executor_svc.structured_output import GrammarError, StructuredOutput
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_flags
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep
+from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep, SampledToken
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,14 @@ class RequestState:
     block_ids: list[int]
     prompt_len: int
     matcher: object | None = None  # the grammar matcher of a structured request (xgrammar.GrammarMatcher)
+    # The token sampled for the request last, and the position it takes: what a row that feeds the
+    # sampled token in (ExecuteRequest.feed_sampled) computes there.
+    sampled_token: int = 0
+    sampled_position: int = -1
+    follows_tokens: bool = dataclasses.field(init=False)  # params.needs_token_history, asked every step
+
+    def __post_init__(self) -> None:
+        self.follows_tokens = self.params.needs_token_history
 
 
 class ModelRunner:
@@ -156,13 +167,22 @@ class ModelRunner:
         if batch.penalty_rows is not None:
             penalty_counts = self.token_counts.gather([r.request_id for r, p in zip(sampling, params) if p.has_penalties])
         grammar_mask = None
-        grammar_rows = [row for row, r in enumerate(sampling) if self.requests[r.request_id].matcher is not None]
+        # A grammar that has accepted its stop token constrains nothing more: its request has ended (with
+        # steps planned ahead, this is the one step planned before that was known; its token is dropped).
+        grammar_rows = [row for row, r in enumerate(sampling) if (matcher := self.requests[r.request_id].matcher)
+                        is not None and not matcher.is_terminated()]
         if grammar_rows:
             matchers = [self.requests[sampling[row].request_id].matcher for row in grammar_rows]
             grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, matchers), grammar_rows)
         tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask).to_sampled_tokens(batch)
         result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
+        self._remember_samples(sampling, tokens)
         return result
+
+    def _remember_samples(self, sampling: list[ExecuteRequest], tokens: Iterable[SampledToken]) -> None:
+        for req, token in zip(sampling, tokens):
+            state = self.requests[req.request_id]
+            state.sampled_token, state.sampled_position = token.token_id, req.start_position + len(req.token_ids)
 
     def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
         """The step's SamplingBatch, rebuilt only when its rows' parameter objects (a request's, kept from its
@@ -202,18 +222,25 @@ class ModelRunner:
         for request_id in step.finished_request_ids:
             self._drop(request_id)
         rejected: dict[str, str] = {}
-        accepted = []
+        accepted, following = [], []
         for req in step.requests:
-            error = self._check(req)
+            state = self.requests.get(req.request_id)
+            if req.feed_sampled:
+                req, error = self._feed_sampled(req, state)
+            else:
+                error = self._check(req, state)
             if error is None and req.sampling_params is not None:
                 error = self._new_state(req)
+                state = self.requests.get(req.request_id)
+            elif error is None and req.new_block_ids:
+                state.block_ids.extend(req.new_block_ids)
             if error is not None:
                 rejected[req.request_id] = error
                 continue
             accepted.append(req)
-            if req.sampling_params is None:
-                self.requests[req.request_id].block_ids.extend(req.new_block_ids)
-        self._follow_tokens(accepted)
+            if state.follows_tokens:
+                following.append(req)
+        self._follow_tokens(following)
         # Blocks about to be overwritten leave first; then prefix blocks come back from the tier.
         self._save_blocks(step.save_blocks)
         requests, num_loaded, num_failed = self._load_blocks(accepted)
@@ -222,6 +249,18 @@ class ModelRunner:
         self._save_blocks(step.save_blocks_after)
         result.rejected = rejected
         return sampling, logits, result
+
+    def _feed_sampled(self, req: ExecuteRequest, state: RequestState | None) -> tuple[ExecuteRequest, str | None]:
+        """The row with the token it feeds in (the one sampled for it last), checked; or why it cannot run."""
+        position = req.start_position + len(req.token_ids)
+        if req.sampling_params is not None or state is None or state.sampled_position != position:
+            return req, f"no token was sampled for position {position} (the step that samples it did not run here)"
+        fed = ExecuteRequest(req.request_id, req.token_ids + [state.sampled_token], req.start_position,
+                             req.new_block_ids, req.sample, None, req.prompt_len, req.load_blocks, req.prefix_token_ids)
+        if req.token_ids or req.load_blocks:
+            return fed, self._check(fed, state)
+        # A decode of this executor's own sample, where it was sampled: only where it ends is new.
+        return fed, self._check_extent(fed, len(state.block_ids), position + 1)
 
     def _drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -244,12 +283,10 @@ class ModelRunner:
 
     def _follow_tokens(self, requests: list[ExecuteRequest]) -> None:
         """Feeds the step's tokens (and, for a new state, its uncomputed prefix) to the penalty counts and the
-        grammar matchers of the requests that have them, before anything samples."""
+        grammar matchers of these requests (those that have them), before anything samples."""
         count_ids, count_tokens, count_is_output = [], [], []
         for req in requests:
             state = self.requests[req.request_id]
-            if not state.params.needs_token_history:
-                continue
             prefix = req.prefix_token_ids if req.sampling_params is not None else []
             tokens = prefix + req.token_ids
             first_output = max(state.prompt_len - (req.start_position - len(prefix)), 0)
@@ -259,28 +296,40 @@ class ModelRunner:
                 count_is_output += [i >= first_output for i in range(len(tokens))]
             if state.matcher is not None:
                 for token in tokens[first_output:]:
+                    if state.matcher.is_terminated():  # (its stop token came: nothing follows the grammar)
+                        break
                     if not state.matcher.accept_token(token):
                         logger.warning("request %s: token %d is outside its grammar", req.request_id, token)
         self.token_counts.record(count_ids, count_tokens, count_is_output)
 
-    def _check(self, req: ExecuteRequest) -> str | None:
-        """Why the request cannot run (it would read or write outside what it owns), or None."""
-        state = self.requests.get(req.request_id)
-        if req.sampling_params is None and state is None:
+    def _check(self, req: ExecuteRequest, state: RequestState | None) -> str | None:
+        """Why the request (whose state is `state`) cannot run (it would read or write outside what it owns),
+        or None. Called for every row of every step: no list is built for it."""
+        params, tokens, vocab_size = req.sampling_params, req.token_ids, self.config.vocab_size
+        if params is None and state is None:
             return "unknown to the executor and carries no sampling parameters"
-        if not req.token_ids:
+        if not tokens:
             return "no tokens to compute"
-        if req.sampling_params is not None and any(t >= self.config.vocab_size for t in req.sampling_params.logit_bias):
-            return f"logit_bias token ids must be below {self.config.vocab_size}"
-        if min(req.token_ids + req.prefix_token_ids) < 0 or max(req.token_ids + req.prefix_token_ids) >= self.config.vocab_size:
-            return f"token ids must be in [0, {self.config.vocab_size})"
-        end = req.start_position + len(req.token_ids)
-        if req.start_position < 0 or end > self.max_model_len:
+        if params is not None and any(t >= vocab_size for t in params.logit_bias):
+            return f"logit_bias token ids must be below {vocab_size}"
+        prefix = req.prefix_token_ids
+        if min(tokens) < 0 or max(tokens) >= vocab_size or (prefix and (min(prefix) < 0 or max(prefix) >= vocab_size)):
+            return f"token ids must be in [0, {vocab_size})"
+        end = req.start_position + len(tokens)
+        if req.start_position < 0:
             return f"positions [{req.start_position}, {end}) outside [0, {self.max_model_len})"
-        block_ids = req.new_block_ids + [t.block_id for t in req.load_blocks]
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+        if any(not 0 <= t.block_id < self.num_blocks for t in req.load_blocks):
             return f"block ids must be in [0, {self.num_blocks})"
-        num_held = len(req.new_block_ids) + (len(state.block_ids) if req.sampling_params is None else 0)
+        return self._check_extent(req, len(state.block_ids) if params is None else 0, end)
+
+    def _check_extent(self, req: ExecuteRequest, num_blocks_held: int, end: int) -> str | None:
+        """Why the row, ending at position end, cannot run on the blocks it holds and gets, or None."""
+        if end > self.max_model_len:
+            return f"positions [{req.start_position}, {end}) outside [0, {self.max_model_len})"
+        new_blocks, num_blocks = req.new_block_ids, self.num_blocks
+        if new_blocks and (min(new_blocks) < 0 or max(new_blocks) >= num_blocks):
+            return f"block ids must be in [0, {num_blocks})"
+        num_held = len(new_blocks) + num_blocks_held
         if num_held * self.block_size < end:
             return f"{num_held} blocks cannot hold {end} positions"
         return None

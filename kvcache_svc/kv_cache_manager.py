@@ -9,12 +9,14 @@ last-in-first-out by construction and the scheduler never predicts a block count
 admitted in order, only if nobody was preempted this step, up to the first that does not fit.
 
 With prefix caching (on by default) every full block is indexed under its chained hash once the step that
-computes it has run: the call that plans a step notes the blocks it fills, and the next call, which says
-whether the executor ran it (and which requests of it failed), indexes them or forgets them. So the index
-never names a block whose KV was not computed. When the executor is replaced (a new epoch) every block
-it held is dropped from the index, and when the scheduler is, every request it had. An admitted request starts from the longest run of leading blocks
-already in the pool, referenced rather than recomputed. Its last prompt token is always computed, since
-its logits are needed. Unreferenced cached blocks stay in the free queue and are evicted LRU.
+computes it has run: the call that plans a step names the blocks it fills with known tokens, and a later
+call, which lists the steps the executor ran since the call before it (and which requests of them failed),
+indexes them, or gives the names up when their step never ran (the blocks are named again by the next
+call). With steps planned ahead that later call comes two calls on. So the index never names a block whose
+KV was not computed. When the executor is replaced (a new epoch) every block it held is dropped from the
+index, and when the scheduler is, every request it had. An admitted request starts from the longest run of
+leading blocks already in the pool, referenced rather than recomputed. Its last prompt token is always
+computed, since its logits are needed. Unreferenced cached blocks stay in the free queue and are evicted LRU.
 
 With an offload tier, a cached block about to be evicted is first copied out (``saves_before``), and,
 when asked, every block as it fills (``saves_after``); a prefix that runs out in the pool continues in
@@ -32,14 +34,21 @@ from pagedserve.step import BlockRequest, BlockStepRequest, BlockStepResult, Blo
 class RequestBlocks:
     """One request as the manager knows it: its block table and what prefix caching needs to name it."""
 
-    __slots__ = ("blocks", "num_tokens", "token_ids", "block_hashes", "cache_salt", "num_blocks_sent")
+    __slots__ = ("blocks", "num_tokens", "token_ids", "block_hashes", "cache_salt", "num_blocks_sent", "num_named",
+                 "last_name", "naming_round")
 
     def __init__(self, blocks: list[KVBlock], num_tokens: int, token_ids: list[int], cache_salt: str | None):
         self.blocks = blocks
         self.num_tokens = num_tokens  # slots in use once the step served last has run
         self.token_ids = token_ids  # every token known so far (prompt, then sampled ones)
-        self.block_hashes: list[bytes] = []  # of the leading full blocks named so far
+        self.block_hashes: list[bytes] = []  # of the leading full blocks indexed so far (their step ran)
         self.cache_salt = cache_salt
+        # Leading full blocks named, indexed or waiting for their step to run; the hash of the last one of
+        # those (the parent of the next name); and a count bumped when waiting names are given up, which
+        # voids them (their blocks are named again, from the last indexed one).
+        self.num_named = 0
+        self.last_name: bytes | None = None
+        self.naming_round = 0
         # Leading blocks of the table the scheduler is known to have received; the rest travel (again) with
         # the next answer, so that an answer lost on the way loses no block.
         self.num_blocks_sent = 0
@@ -58,9 +67,9 @@ class KVCacheManager:
         # The scheduler and executor instances the pool's state belongs to (None until the first step).
         self.scheduler_id: str | None = None
         self.executor_epoch: str | None = None
-        # Full blocks the last call's step fills, indexed once it is known to have run:
-        # (request id, its state, block index in its table, hash).
-        self._unconfirmed: list[tuple[str, RequestBlocks, int, bytes]] = []
+        # Per call whose step is not known to have run yet (by step id): the full blocks it named, indexed
+        # once it has: (request id, its state, block index in its table, hash, the state's naming round).
+        self._unconfirmed: dict[int, list[tuple[str, RequestBlocks, int, bytes, int]]] = {}
         self._last_step_id: int | None = None
         self._previous_step_id: int | None = None
         self._served_last: list[RequestBlocks] = []  # whose blocks the last answer carried
@@ -126,8 +135,9 @@ class KVCacheManager:
         self._check_restored(step_request.planned_step_id)
         self._follow_instances(step_request.scheduler_id, step_request.executor_epoch)
         self._acknowledge(step_request.planned_step_id)
-        self._confirm_previous_step(step_request.executed_step_id, set(step_request.failed_request_ids))
+        self._confirm_executed(step_request.executed_step_ids, set(step_request.failed_request_ids))
         self._previous_step_id, self._last_step_id = self._last_step_id, step_request.step_id
+        self._unconfirmed[step_request.step_id] = []
         for request_id in step_request.free_request_ids:
             self.free(request_id)
         result = BlockStepResult()
@@ -162,7 +172,7 @@ class KVCacheManager:
         self._restored_step_ids = None
 
     def _drop_requests(self) -> None:
-        self._unconfirmed, self._served_last = [], []
+        self._unconfirmed, self._served_last = {}, []
         for request_id in list(self.requests):
             self.free(request_id)
 
@@ -184,17 +194,25 @@ class KVCacheManager:
             for state in served:
                 state.num_blocks_sent = len(state.blocks)
 
-    def _confirm_previous_step(self, executed_step_id: int, failed: set[str]) -> None:
-        unconfirmed, self._unconfirmed = self._unconfirmed, []
-        if executed_step_id != self._last_step_id:
-            return  # the previous call's step never ran: its blocks hold nothing
-        for request_id, state, index, block_hash_ in unconfirmed:
-            if request_id in failed or self.requests.get(request_id) is not state or len(state.block_hashes) != index:
-                continue
-            state.block_hashes.append(block_hash_)
-            block = state.blocks[index]
-            if block.block_hash is None:
-                self.block_pool.cache_full_block(block, block_hash_)
+    def _confirm_executed(self, executed_step_ids: list[int], failed: set[str]) -> None:
+        """Indexes the blocks named by the calls whose steps ran; the names given by a call up to the last of
+        those whose step did not run (or by a request whose part failed) are given up."""
+        if not executed_step_ids:
+            return
+        executed, last = set(executed_step_ids), max(executed_step_ids)
+        for step_id in sorted(s for s in self._unconfirmed if s <= last):
+            ran = step_id in executed
+            for request_id, state, index, block_hash_, naming_round in self._unconfirmed.pop(step_id):
+                if self.requests.get(request_id) is not state or naming_round != state.naming_round:
+                    continue  # gone, or named again since
+                if not ran or request_id in failed:  # the block holds nothing known
+                    state.num_named, state.last_name = len(state.block_hashes), None
+                    state.naming_round += 1
+                    continue
+                state.block_hashes.append(block_hash_)
+                block = state.blocks[index]
+                if block.block_hash is None:
+                    self.block_pool.cache_full_block(block, block_hash_)
 
     def _preempt(self, request_id: str, result: BlockStepResult) -> None:
         self.free(request_id)
@@ -206,15 +224,19 @@ class KVCacheManager:
         ids (with any the scheduler may not have received), or None (and nothing changed) when the pool is
         short."""
         state = self.requests[request.request_id]
-        num_needed = max(0, -(-request.num_tokens // self.block_size) - len(state.blocks))
-        if num_needed > self.num_free_blocks:
-            return None
-        state.blocks.extend(self.block_pool.get_new_blocks(num_needed))
-        state.num_tokens = max(state.num_tokens, request.num_tokens)
+        num_needed = -(-request.num_tokens // self.block_size) - len(state.blocks)
+        if num_needed > 0:  # (most steps, a decode needs none)
+            if num_needed > self.num_free_blocks:
+                return None
+            state.blocks.extend(self.block_pool.get_new_blocks(num_needed))
+        if request.num_tokens > state.num_tokens:
+            state.num_tokens = request.num_tokens
         if request.new_token_ids:
             state.token_ids[request.new_tokens_start:] = request.new_token_ids
         self._note_full_blocks(request.request_id, state)
         self._served_last.append(state)
+        if state.num_blocks_sent == len(state.blocks):
+            return []
         return [block.block_id for block in state.blocks[state.num_blocks_sent:]]
 
     def _admit(self, request: BlockRequest) -> tuple[list[int], int] | None:
@@ -234,6 +256,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new)
         state = RequestBlocks(hits + new_blocks, end, tokens, request.cache_salt)
         state.block_hashes = hashes[: len(hits)]
+        state.num_named = len(hits)
         self.requests[request_id] = state
         self.prefix_queries += len(tokens)
         self.prefix_hits += num_cached
@@ -275,18 +298,24 @@ class KVCacheManager:
         return hits, hashes[: len(hits) + num_tier], num_tier
 
     def _note_full_blocks(self, request_id: str, state: RequestBlocks, num_from_tier: int = 0) -> None:
-        """Notes the request's blocks that the served step fills completely with known tokens, to be indexed
-        once the step has run; the first num_from_tier of them are loaded from the tier, which has them."""
+        """Names the request's blocks that the served step fills completely with known tokens (and that no
+        call still waiting names already), to be indexed once the step has run; the first num_from_tier of
+        them are loaded from the tier, which has them."""
         if not self.enable_prefix_caching:
             return
         hashes, blocks, tokens, bs = state.block_hashes, state.blocks, state.token_ids, self.block_size
         num_full = min(state.num_tokens, len(tokens)) // bs
-        parent = hashes[-1] if hashes else self.root_hash
-        for i in range(len(hashes), num_full):
+        start = state.num_named
+        if num_full <= start:
+            return
+        parent = state.last_name if start > len(hashes) else hashes[-1] if hashes else self.root_hash
+        named = self._unconfirmed[self._last_step_id]
+        for i in range(start, num_full):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], state.cache_salt if i == 0 else None)
-            self._unconfirmed.append((request_id, state, i, parent))
+            named.append((request_id, state, i, parent, state.naming_round))
             if i >= len(hashes) + num_from_tier and self.block_pool.get_cached_block(parent) is None:
                 self._filled.append(BlockTransfer(blocks[i].block_id, parent))
+        state.num_named, state.last_name = num_full, parent
 
     def _collect_transfers(self, result: BlockStepResult) -> None:
         evicted, self.block_pool.evicted = self.block_pool.evicted, []
@@ -313,10 +342,14 @@ class KVCacheManager:
             "cached": {str(block.block_id): block_hash_.hex() for block_hash_, block in pool.cached_blocks.items()},
             "requests": {
                 request_id: [[b.block_id for b in s.blocks], s.num_tokens, s.token_ids,
-                             [h.hex() for h in s.block_hashes], s.cache_salt, s.num_blocks_sent]
+                             [h.hex() for h in s.block_hashes], s.cache_salt, s.num_blocks_sent,
+                             [s.num_named, s.last_name.hex() if s.last_name else None, s.naming_round]]
                 for request_id, s in self.requests.items()
             },
-            "unconfirmed": [[request_id, index, h.hex()] for request_id, _, index, h in self._unconfirmed],
+            "unconfirmed": [[step_id, request_id, index, h.hex(), naming_round]  # (those of gone requests are void)
+                            for step_id, named in self._unconfirmed.items()
+                            for request_id, state, index, h, naming_round in named
+                            if self.requests.get(request_id) is state],
             "served_last": [request_id for request_id, s in self.requests.items() if s in self._served_last],
             "counters": [self.prefix_queries, self.prefix_hits, self.num_preemptions, self.tier_hits,
                          self.blocks_saved, pool.num_evictions],
@@ -328,13 +361,15 @@ class KVCacheManager:
             raise ValueError("the saved state belongs to another pool (size, block size or model)")
         pool = BlockPool(self.num_blocks)
         requests: dict[str, RequestBlocks] = {}
-        for request_id, (block_ids, num_tokens, token_ids, hashes, salt, num_sent) in state["requests"].items():
+        for request_id, (block_ids, num_tokens, token_ids, hashes, salt, num_sent, naming) in state["requests"].items():
             blocks = [pool.blocks[i] for i in block_ids]
             for block in blocks:
                 block.ref_cnt += 1
-            requests[request_id] = RequestBlocks(blocks, num_tokens, token_ids, salt)
-            requests[request_id].block_hashes = [bytes.fromhex(h) for h in hashes]
-            requests[request_id].num_blocks_sent = num_sent
+            request = requests[request_id] = RequestBlocks(blocks, num_tokens, token_ids, salt)
+            request.block_hashes = [bytes.fromhex(h) for h in hashes]
+            request.num_blocks_sent = num_sent
+            request.num_named, last_name, request.naming_round = naming
+            request.last_name = bytes.fromhex(last_name) if last_name else None
         for block_id, block_hash_ in state["cached"].items():
             block = pool.blocks[int(block_id)]
             block.block_hash = bytes.fromhex(block_hash_)
@@ -345,7 +380,9 @@ class KVCacheManager:
          pool.num_evictions) = state["counters"]
         self.block_pool, self.requests = pool, requests
         self.scheduler_id, self.executor_epoch, self._previous_step_id, self._last_step_id = state["instances"]
-        self._unconfirmed = [(r, requests[r], i, bytes.fromhex(h)) for r, i, h in state["unconfirmed"]]
+        self._unconfirmed = {}
+        for step_id, r, i, h, naming_round in state["unconfirmed"]:
+            self._unconfirmed.setdefault(step_id, []).append((r, requests[r], i, bytes.fromhex(h), naming_round))
         self._served_last = [requests[r] for r in state["served_last"]]
 
     def restored(self) -> None:
