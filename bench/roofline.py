@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_result  # noqa: E402
+from executor_svc.costs import linear_layers_seconds  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
@@ -69,22 +70,7 @@ def decode_tok_per_s(runner: ModelRunner, prompts, steps: int, budget: int) -> f
 def gemm_tok_per_s(runner: ModelRunner, batch: int, repeats: int) -> float:
     """Tokens/s of the linear layers alone at this batch: each layer's q/k/v, o, gate/up and down projections
     and the LM head, on random activations."""
-    model, hidden = runner.model, runner.config.hidden_size
-    x = torch.randn(batch, hidden, dtype=runner.dtype)
-    inter = torch.randn(batch, runner.config.intermediate_size, dtype=runner.dtype)
-    attn = torch.randn(batch, runner.config.num_heads * runner.config.head_dim, dtype=runner.dtype)
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            for layer in model.layers:
-                layer.self_attn.qkv_proj(x)
-                layer.self_attn.o_proj(attn)
-                layer.mlp.gate_up_proj(x)
-                layer.mlp.down_proj(inter)
-            model.compute_logits(x)
-            times.append(time.perf_counter() - start)
-    return batch / statistics.median(times[1:])
+    return batch / linear_layers_seconds(runner.model, batch, batch, repeats=repeats)
 
 
 def main() -> None:

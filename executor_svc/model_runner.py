@@ -30,14 +30,21 @@ from executor_svc.model_loader import (
     resolve_model_dir,
 )
 from executor_svc.models.llama import LlamaForCausalLM
-from executor_svc.offload import HostTier, RedisTier
+from executor_svc.costs import copy_bytes_per_s, prefill_tokens_per_s
+from executor_svc.offload import HostTier, RedisTier, SwapSpace
 from executor_svc.sampler import Sampler, SamplingBatch, TokenCounts
-from executor_svc.structured_output import GrammarError, StructuredOutput
+from executor_svc.structured_output import GrammarError, RequestGrammar, StructuredOutput
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_flags
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep, SampledToken
+from pagedserve.step import (
+    BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken, num_loaded_tokens,
+)
 
 logger = logging.getLogger(__name__)
+
+# Prompt logprobs are computed over this many positions at a time: a [rows, vocab] float32 block each.
+PROMPT_LOGPROBS_ROWS = 256
+
 
 def _dtype_reason(requested: str, resolved: ModelConfig) -> str:
     if requested != "auto":
@@ -57,11 +64,16 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     prompt_len: int
-    matcher: object | None = None  # the grammar matcher of a structured request (xgrammar.GrammarMatcher)
+    grammar: RequestGrammar | None = None  # of a structured request
     # The token sampled for the request last, and the position it takes: what a row that feeds the
     # sampled token in (ExecuteRequest.feed_sampled) computes there.
     sampled_token: int = 0
     sampled_position: int = -1
+    # Penalties and grammars have followed the tokens before this position (a deferred request computes its
+    # last token again: it is not counted twice).
+    num_followed: int = 0
+    # Prompt logprobs: the log-softmax of the last position computed, whose next token starts the next chunk.
+    prompt_logprobs_row: torch.Tensor | None = None
     follows_tokens: bool = dataclasses.field(init=False)  # params.needs_token_history, asked every step
 
     def __post_init__(self) -> None:
@@ -141,6 +153,13 @@ class ModelRunner:
         self.block_bytes = self.config.kv_bytes_per_token(self.dtype) * block_size
         self.blocks_saved = self.blocks_loaded = self.failed_loads = 0
         self.bytes_saved = self.bytes_loaded = 0
+        self.swap_space = SwapSpace(cache_config.swap_host_bytes)
+        # What preempting a request costs either way, for the block manager's choice between recompute and swap.
+        self.prefill_tokens_per_s = prefill_tokens_per_s(self.model)
+        self.copy_bytes_per_s = copy_bytes_per_s(self._read_blocks, self._write_blocks, self.num_blocks,
+                                                 self.block_bytes, self.device)
+        logger.info("preemption costs: prefill %.0f tokens/s (linear layers), host copies %.2f GB/s",
+                    self.prefill_tokens_per_s, self.copy_bytes_per_s / 1e9)
         # Tokens whose K/V this runner has computed since start (prefix-cache hits are not among them).
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -156,7 +175,21 @@ class ModelRunner:
     def execute(self, step: ExecuteStep) -> ExecuteResult:
         """Runs the step. Raises StaleEpoch for a step planned for another executor instance; refuses (in
         result.rejected) the requests that would read or write outside what they own."""
+        try:
+            return self._execute(step)
+        except StaleEpoch:
+            raise
+        except Exception:
+            # The scheduler rolls the step back with the steps sent after it, and re-admits its requests; until
+            # then their rows in those steps must not run on state (block tables) this step left half-updated
+            # or that missed frees: unknown, they are refused.
+            for req in step.requests:
+                self._drop(req.request_id)
+            raise
+
+    def _execute(self, step: ExecuteStep) -> ExecuteResult:
         sampling, logits, result = self._run_model(step)
+        sampling, logits = self._wait_for_grammars(step, sampling, logits, result)
         if not sampling:
             return result
         params = [self.requests[r.request_id].params for r in sampling]
@@ -168,12 +201,12 @@ class ModelRunner:
             penalty_counts = self.token_counts.gather([r.request_id for r, p in zip(sampling, params) if p.has_penalties])
         grammar_mask = None
         # A grammar that has accepted its stop token constrains nothing more: its request has ended (with
-        # steps planned ahead, this is the one step planned before that was known; its token is dropped).
-        grammar_rows = [row for row, r in enumerate(sampling) if (matcher := self.requests[r.request_id].matcher)
-                        is not None and not matcher.is_terminated()]
+        # steps planned ahead, this is a step planned before that was known; its token is dropped).
+        grammar_rows = [row for row, r in enumerate(sampling) if (grammar := self.requests[r.request_id].grammar)
+                        is not None and not grammar.matcher.is_terminated()]
         if grammar_rows:
-            matchers = [self.requests[sampling[row].request_id].matcher for row in grammar_rows]
-            grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, matchers), grammar_rows)
+            grammars = [self.requests[sampling[row].request_id].grammar for row in grammar_rows]
+            grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, grammars), grammar_rows)
         tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask).to_sampled_tokens(batch)
         result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
         self._remember_samples(sampling, tokens)
@@ -183,6 +216,29 @@ class ModelRunner:
         for req, token in zip(sampling, tokens):
             state = self.requests[req.request_id]
             state.sampled_token, state.sampled_position = token.token_id, req.start_position + len(req.token_ids)
+
+    def _wait_for_grammars(self, step: ExecuteStep, sampling: list[ExecuteRequest], logits, result: ExecuteResult):
+        """The requests to sample, and their logits, less those whose grammar has not compiled yet: deferred
+        while the step serves anyone else (who would otherwise wait for the compilation), waited for when it
+        serves only them; and refused when their grammar did not compile."""
+        pending = [r.request_id for r in sampling
+                   if (grammar := self.requests[r.request_id].grammar) is not None and grammar.matcher is None]
+        if not pending:
+            return sampling, logits
+        alone = len(pending) == len(step.requests)
+        keep = []
+        for row, req in enumerate(sampling):
+            if req.request_id in pending:
+                try:
+                    if not self.requests[req.request_id].grammar.ready(req.request_id, wait=alone):
+                        result.deferred.append(req.request_id)
+                        continue
+                except GrammarError as error:
+                    result.rejected[req.request_id] = str(error)
+                    self._drop(req.request_id)
+                    continue
+            keep.append(row)
+        return [sampling[row] for row in keep], logits[keep]
 
     def _sampling_batch(self, params: list[SamplingParams]) -> SamplingBatch:
         """The step's SamplingBatch, rebuilt only when its rows' parameter objects (a request's, kept from its
@@ -241,9 +297,13 @@ class ModelRunner:
             if state.follows_tokens:
                 following.append(req)
         self._follow_tokens(following)
-        # Blocks about to be overwritten leave first; then prefix blocks come back from the tier.
+        # Blocks about to be overwritten leave first; then prefix blocks come back from host memory, after
+        # which the swap space lets go of the copies the block manager no longer needs.
         self._save_blocks(step.save_blocks)
+        self._swap_out(step.swap_out)
         requests, num_loaded, num_failed = self._load_blocks(accepted)
+        if self.swap_space is not None:
+            self.swap_space.free(step.swap_free)
         sampling, logits, result = self._forward(requests, num_loaded, num_failed)
         # Only what the step computed goes to the tier: a failed step saves nothing.
         self._save_blocks(step.save_blocks_after)
@@ -256,7 +316,8 @@ class ModelRunner:
         if req.sampling_params is not None or state is None or state.sampled_position != position:
             return req, f"no token was sampled for position {position} (the step that samples it did not run here)"
         fed = ExecuteRequest(req.request_id, req.token_ids + [state.sampled_token], req.start_position,
-                             req.new_block_ids, req.sample, None, req.prompt_len, req.load_blocks, req.prefix_token_ids)
+                             req.new_block_ids, req.sample, None, req.prompt_len, req.load_blocks, req.prefix_token_ids,
+                             prompt_logprobs=req.prompt_logprobs)
         if req.token_ids or req.load_blocks:
             return fed, self._check(fed, state)
         # A decode of this executor's own sample, where it was sampled: only where it ends is new.
@@ -267,39 +328,35 @@ class ModelRunner:
         self.token_counts.remove(request_id)
 
     def _new_state(self, req: ExecuteRequest) -> str | None:
-        """(Re)creates the request's state; the reason it cannot run, or None."""
+        """(Re)creates the request's state (its grammar, if any, starts compiling); the reason it cannot run,
+        or None."""
         self._drop(req.request_id)
         params = req.sampling_params
-        matcher = None
-        if params.structured:
-            try:
-                matcher = self.structured_output.matcher(params)
-            except GrammarError as error:
-                return str(error)
+        grammar = self.structured_output.grammar(params) if params.structured else None
         if params.has_penalties:
             self.token_counts.add(req.request_id)
-        self.requests[req.request_id] = RequestState(params, list(req.new_block_ids), req.prompt_len, matcher)
+        self.requests[req.request_id] = RequestState(params, list(req.new_block_ids), req.prompt_len, grammar)
         return None
 
     def _follow_tokens(self, requests: list[ExecuteRequest]) -> None:
         """Feeds the step's tokens (and, for a new state, its uncomputed prefix) to the penalty counts and the
-        grammar matchers of these requests (those that have them), before anything samples."""
+        grammars of the requests that have them, before anything samples; each token once."""
         count_ids, count_tokens, count_is_output = [], [], []
         for req in requests:
             state = self.requests[req.request_id]
             prefix = req.prefix_token_ids if req.sampling_params is not None else []
+            start = req.start_position - len(prefix)
             tokens = prefix + req.token_ids
-            first_output = max(state.prompt_len - (req.start_position - len(prefix)), 0)
+            seen = max(state.num_followed - start, 0)
+            tokens, start = tokens[seen:], start + seen
+            state.num_followed = max(state.num_followed, start + len(tokens))
+            first_output = max(state.prompt_len - start, 0)
             if state.params.has_penalties:
                 count_ids += [req.request_id] * len(tokens)
                 count_tokens += tokens
                 count_is_output += [i >= first_output for i in range(len(tokens))]
-            if state.matcher is not None:
-                for token in tokens[first_output:]:
-                    if state.matcher.is_terminated():  # (its stop token came: nothing follows the grammar)
-                        break
-                    if not state.matcher.accept_token(token):
-                        logger.warning("request %s: token %d is outside its grammar", req.request_id, token)
+            if state.grammar is not None:
+                state.grammar.follow(req.request_id, tokens[first_output:])
         self.token_counts.record(count_ids, count_tokens, count_is_output)
 
     def _check(self, req: ExecuteRequest, state: RequestState | None) -> str | None:
@@ -320,6 +377,13 @@ class ModelRunner:
             return f"positions [{req.start_position}, {end}) outside [0, {self.max_model_len})"
         if any(not 0 <= t.block_id < self.num_blocks for t in req.load_blocks):
             return f"block ids must be in [0, {self.num_blocks})"
+        if req.load_blocks:
+            partial = [t.num_tokens for t in req.load_blocks]
+            if any(not 0 <= n < self.block_size for n in partial) or any(partial[:-1]):
+                return (f"load_blocks: num_tokens must be in [0, {self.block_size}), and only the last block "
+                        "may be partial")
+            if num_loaded_tokens(req.load_blocks, self.block_size) >= len(tokens):
+                return "load_blocks leave no token to compute"
         return self._check_extent(req, len(state.block_ids) if params is None else 0, end)
 
     def _check_extent(self, req: ExecuteRequest, num_blocks_held: int, end: int) -> str | None:
@@ -361,11 +425,45 @@ class ModelRunner:
         self.num_prefill_tokens += result.num_prefill_tokens
         self.num_decode_tokens += result.num_decode_tokens
         row_ends = np.cumsum([len(r.token_ids) for r in ordered]) - 1
+        for i, req in enumerate(ordered):
+            if req.prompt_logprobs:
+                end = int(row_ends[i]) + 1
+                run = self._prompt_logprobs(req, hidden[end - len(req.token_ids):end])
+                if run.tokens:
+                    result.prompt_logprobs[req.request_id] = run
         sample_rows = [int(row_ends[i]) for i, r in enumerate(ordered) if r.sample]
         if not sample_rows:
             return [], None, result
         logits = self.model.compute_logits(hidden[torch.as_tensor(sample_rows, device=self.device)])
         return [r for r in ordered if r.sample], logits, result
+
+    def _prompt_logprobs(self, req: ExecuteRequest, hidden: torch.Tensor) -> PromptLogprobs:
+        """The logprobs of the prompt tokens that the request's rows (hidden) predict, and of its first token
+        from the previous chunk's last row; keeps this chunk's last row when the prompt goes on past it."""
+        state = self.requests[req.request_id]
+        num_top = state.params.prompt_logprobs
+        start, end = req.start_position, req.start_position + len(req.token_ids)
+        blocks = []  # (log-softmax rows [k, V], the k tokens they predict)
+        first_position = start + 1
+        if state.prompt_logprobs_row is not None:
+            blocks.append((state.prompt_logprobs_row, req.token_ids[:1]))
+            first_position = start
+        # Position p predicts the token at p + 1: within the chunk, up to the prompt's last token.
+        num_inside = max(min(end, state.prompt_len) - start - 1, 0)
+        for first in range(0, num_inside, PROMPT_LOGPROBS_ROWS):
+            count = min(PROMPT_LOGPROBS_ROWS, num_inside - first)
+            blocks.append((self.model.compute_logits(hidden[first:first + count]).log_softmax(dim=-1),
+                           req.token_ids[first + 1:first + 1 + count]))
+        state.prompt_logprobs_row = (self.model.compute_logits(hidden[-1:]).log_softmax(dim=-1)
+                                     if end < state.prompt_len else None)
+        tokens = []
+        for rows, targets in blocks:
+            chosen = rows.gather(1, torch.tensor(targets, device=rows.device).unsqueeze(1)).squeeze(1).tolist()
+            top = rows.topk(num_top, dim=-1) if num_top else None
+            top_ids = top.indices.tolist() if top is not None else [[] for _ in targets]
+            top_logprobs = top.values.tolist() if top is not None else [[] for _ in targets]
+            tokens += [SampledToken(*entry) for entry in zip(targets, chosen, top_ids, top_logprobs)]
+        return PromptLogprobs(first_position, tokens)
 
     def _compute_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The final-norm hidden states of the step's rows: a replayed CUDA graph for a decode step that one
@@ -408,7 +506,7 @@ class ModelRunner:
             list(graphs.context_capacities),
         )
 
-    # ------------------------------------------------------------------ offload tier
+    # ------------------------------------------------------------------ host memory: offload tier, swap space
 
     def _save_blocks(self, transfers: list[BlockTransfer]) -> None:
         if self.offload_tier is None or not transfers:
@@ -418,15 +516,20 @@ class ModelRunner:
         self.blocks_saved += len(transfers)
         self.bytes_saved += sum(map(len, values))
 
+    def _swap_out(self, transfers: list[BlockTransfer]) -> None:
+        if self.swap_space is not None and transfers:
+            values = self._read_blocks([t.block_id for t in transfers])
+            self.swap_space.save([(t.block_hash, value) for t, value in zip(transfers, values)])
+
     def _load_blocks(self, requests: list[ExecuteRequest]) -> tuple[list[ExecuteRequest], int, int]:
-        """Fills each request's tier blocks and drops their tokens from what it computes; a block the tier
-        no longer has (and every block after it) is computed instead."""
+        """Fills each request's blocks to load from host memory and drops their tokens from what it computes;
+        a block found neither in the swap space nor in the tier (and every block after it) is computed."""
         out, num_loaded, num_failed = [], 0, 0
         for req in requests:
             if not req.load_blocks:
                 out.append(req)
                 continue
-            values = self.offload_tier.load([t.block_hash for t in req.load_blocks]) if self.offload_tier else []
+            values = self._find_blocks([t.block_hash for t in req.load_blocks])
             found = 0
             for value in values:
                 if value is None or len(value) != self.block_bytes:
@@ -437,13 +540,22 @@ class ModelRunner:
                 self.bytes_loaded += found * self.block_bytes
             num_loaded += found
             num_failed += len(req.load_blocks) - found
-            skip = found * self.block_size
+            skip = num_loaded_tokens(req.load_blocks[:found], self.block_size)
             out.append(dataclasses.replace(
                 req, token_ids=req.token_ids[skip:], start_position=req.start_position + skip, load_blocks=[]
             ))
         self.blocks_loaded += num_loaded
         self.failed_loads += num_failed
         return out, num_loaded, num_failed
+
+    def _find_blocks(self, block_hashes: list[bytes]) -> list[bytes | None]:
+        """Each block's bytes from the swap space, else from the offload tier; None where neither has it."""
+        values = self.swap_space.load(block_hashes) if self.swap_space is not None else [None] * len(block_hashes)
+        missing = [i for i, value in enumerate(values) if value is None]
+        if missing and self.offload_tier is not None:
+            for i, value in zip(missing, self.offload_tier.load([block_hashes[i] for i in missing])):
+                values[i] = value
+        return values
 
     def _read_blocks(self, block_ids: list[int]) -> list[bytes]:
         index = torch.as_tensor(block_ids, device=self.device)

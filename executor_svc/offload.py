@@ -1,10 +1,11 @@
-"""The offload tier: where K/V blocks go when the pool evicts them, and come back from on a prefix hit.
+"""Host memory for K/V blocks: the offload tier, where blocks go when the pool evicts them and come back from
+on a prefix hit, and the swap space, which holds the blocks of requests preempted by swap until they resume.
 
 A block travels as one value: its K and V for every layer, ``[layers, 2, kv_heads, block_size, head_dim]``
-in the cache's dtype, as raw bytes. Host memory keeps them in this process (LRU, bounded in bytes);
-Redis keeps them under ``pagedserve:kv:v1:<block hash>`` (binary values, pipelined batches, an optional
-TTL, and Redis's own maxmemory eviction). A tier that fails is switched off with a warning and counted;
-what it would have held is recomputed.
+in the cache's dtype, as raw bytes, named by its prefix hash. Host memory keeps them in this process (LRU,
+bounded in bytes); Redis keeps them under ``pagedserve:kv:v1:<block hash>`` (binary values, pipelined
+batches, an optional TTL, and Redis's own maxmemory eviction). A tier that fails is switched off with a
+warning and counted; what it would have held is recomputed.
 """
 from __future__ import annotations
 
@@ -47,6 +48,35 @@ class HostTier:
                 self.blocks.move_to_end(block_hash)
             values.append(value)
         return values
+
+
+class SwapSpace:
+    """The blocks of requests preempted by swap. The block manager decides what enters and leaves, and keeps
+    it within capacity_bytes (it counts in blocks of the size the executor reports); nothing here evicts, so
+    a copy stays exactly until the block manager releases it (its request resumed, ended, or a step that
+    should have copied it never ran)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 1:
+            raise ValueError(f"swap_host_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.blocks: dict[bytes, bytes] = {}
+        self.num_bytes = 0
+
+    def save(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        for block_hash, value in items:
+            self.free([block_hash])
+            self.blocks[block_hash] = value
+            self.num_bytes += len(value)
+
+    def load(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
+        return [self.blocks.get(block_hash) for block_hash in block_hashes]
+
+    def free(self, block_hashes: Sequence[bytes]) -> None:
+        for block_hash in block_hashes:
+            value = self.blocks.pop(block_hash, None)
+            if value is not None:
+                self.num_bytes -= len(value)
 
 
 class RedisTier:

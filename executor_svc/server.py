@@ -65,6 +65,8 @@ def executor_info(runner: ModelRunner) -> executor_pb2.ExecutorInfo:
         bytes_moved=runner.bytes_saved + runner.bytes_loaded, tier_errors=tier.errors if tier else 0,
         offload_capacity_blocks=tier.capacity_bytes // runner.block_bytes if isinstance(tier, HostTier) else 0,
         offload_redis_url=tier.url if isinstance(tier, RedisTier) else "", epoch=runner.epoch,
+        swap_capacity_blocks=runner.swap_space.capacity_bytes // runner.block_bytes if runner.swap_space else 0,
+        prefill_tokens_per_s=runner.prefill_tokens_per_s, copy_bytes_per_s=runner.copy_bytes_per_s,
     )
 
 

@@ -1,13 +1,13 @@
 """python -m frontend --port 50051 --scheduler 127.0.0.1:50052 [--http-address 127.0.0.1:8000]"""
 from __future__ import annotations
 
-from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, parse
+from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, model_name, parse
 from pagedserve.service import Security, Service, channel, configure_logging
 from pagedserve.v1 import generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "scheduler", "startup_timeout", "max_streams", "max_message_bytes",
-                    "http_address", "served_model_name",
+                    "http_address", "served_model_name", "drain_timeout_s",
                     "max_prompt_chars", "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file",
                     "internal_token_file"),
     ModelConfig: ("tokenizer",),
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     if serving.http_address:
         from frontend.http_server import HttpServer, OpenAIServer
 
-        api = OpenAIServer(link, tokenizer, serving.served_model_name or info.model, info.max_model_len,
+        api = OpenAIServer(link, tokenizer, serving.served_model_name or (model_name(info.model),), info.max_model_len,
                            info.vocab_size, max_prompt_chars, security.api_key_ok if security.api_keys else None)
         http = HttpServer(api.app, serving.http_address, serving.log_level, serving.tls_cert, serving.tls_key,
                           serving.tls_client_ca)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
             http.stop()
         link.close()
 
-    service.serve_until_signalled(on_stop=stop)
+    service.serve_until_signalled(on_stop=stop, drainable=link, drain_timeout=serving.drain_timeout_s)
     scheduler_channel.close()
 
 

@@ -4,11 +4,11 @@ link, turn each output into a text delta, and know when every choice has ended.
 Choices of one prompt share its KV blocks through the prefix cache. The block manager indexes a block only
 after the step that computed it has run, so siblings admitted in the same step as the first choice would
 each compute the prompt again. The first choice therefore goes alone; the others are submitted when its
-first token arrives, which is after its whole prompt has been computed, and are admitted on its blocks.
+first token arrives, which is after its whole prompt has been computed, and are admitted on its blocks
+(except when the first asks for the prompt's logprobs: it is admitted under a cache salt of its own).
 """
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +17,13 @@ from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import RequestOutput, SampledToken
 
-# Seeds are int64 on the wire.
-_SEED_MODULUS = 1 << 63
+# Why a draining frontend refuses a new call.
+DRAINING = "this frontend is shutting down and takes no new requests; send them to another frontend"
 
 
 class GenerateError(Exception):
     """The call cannot go on. kind: "overloaded" (the scheduler refused it), "error" (the request failed in
-    the back end) or "unavailable" (the frontend is shutting down)."""
+    the back end) or "unavailable" (the frontend or the scheduler is shutting down)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -38,13 +38,8 @@ class ChoiceDelta:
     logprobs: list[SampledToken] | None
     finish_reason: str | None = None  # on the choice's last delta
     usage: Usage | None = None  # of this choice, on its last delta
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """What choice `index` runs with: one choice each, and seeded choices seeded apart so that they differ
-    from each other and are each reproducible."""
-    seed = None if params.seed is None else (params.seed + index) % _SEED_MODULUS
-    return dataclasses.replace(params, n=1, seed=seed)
+    # With prompt_logprobs, on choice 0's first delta: those of prompt tokens 1 to the end.
+    prompt_logprobs: list[SampledToken] | None = None
 
 
 class GenerateCall:
@@ -72,8 +67,10 @@ class GenerateCall:
         if self.cancelled:
             return
         try:
-            self.link.submit(self.ids[index], self.prompt_ids, choice_params(self.params, index), self.cache_salt,
-                             self.inbox, self.priority)
+            # Only the first choice is a new request: a draining frontend still admits the siblings of a
+            # call it has taken.
+            self.link.submit(self.ids[index], self.prompt_ids, self.params.for_choice(index), self.cache_salt,
+                             self.inbox, self.priority, new_call=index == 0)
         except ConnectionError as error:
             raise GenerateError("unavailable", str(error)) from None
         self.submitted.append(self.ids[index])
@@ -88,6 +85,8 @@ class GenerateCall:
             raise GenerateError("unavailable", "the frontend is shutting down")
         if output.finish_reason == "overloaded":
             raise GenerateError("overloaded", output.error or "the server is overloaded")
+        if output.finish_reason == "unavailable":
+            raise GenerateError("unavailable", output.error or "the scheduler is shutting down")
         if output.finish_reason == "error":
             raise GenerateError("error", output.error or "request failed")
         index = self.index[output.request_id]
@@ -104,7 +103,7 @@ class GenerateCall:
         num_tokens = delta.num_tokens  # (fewer than given when a stop string ended the choice part-way)
         return ChoiceDelta(index, output.new_token_ids[:num_tokens], delta.text,
                            output.new_logprobs[:num_tokens] if output.new_logprobs is not None else None,
-                           delta.finish_reason, delta.usage)
+                           delta.finish_reason, delta.usage, output.prompt_logprobs)
 
     def abort(self) -> None:
         """Aborts the choices still running (the client went away). Safe from any thread."""

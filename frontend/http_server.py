@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from frontend.generation import ChoiceDelta, GenerateCall, GenerateError
+from frontend.generation import DRAINING, ChoiceDelta, GenerateCall, GenerateError
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
+from pagedserve.step import SampledToken
 
 logger = logging.getLogger(__name__)
 
@@ -150,11 +151,13 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
 # ------------------------------------------------------------------------------------------ the API
 
 class OpenAIServer:
-    def __init__(self, link, tokenizer: Any, served_model_name: str, max_model_len: int, vocab_size: int,
-                 max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None) -> None:
-        """api_key_ok: checks an `authorization` header's value; None: the API is open."""
+    def __init__(self, link, tokenizer: Any, served_model_names: tuple[str, ...], max_model_len: int,
+                 vocab_size: int, max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None) -> None:
+        """served_model_names: what requests may name the model (responses name it by the first);
+        api_key_ok: checks an `authorization` header's value; None: the API is open."""
         self.link, self.tokenizer = link, tokenizer
-        self.model_name, self.max_model_len, self.vocab_size = served_model_name, max_model_len, vocab_size
+        self.model_names, self.model_name = served_model_names, served_model_names[0]
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_prompt_chars, self.api_key_ok = max_prompt_chars, api_key_ok
         self.created = int(time.time())
         self.app = self._build_app()
@@ -192,18 +195,20 @@ class OpenAIServer:
         return app
 
     async def health(self) -> Response:
-        return Response(status_code=200)
+        """503 while the frontend drains, so that a load balancer sends new requests elsewhere."""
+        return Response(status_code=503 if self.link.draining else 200)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+            "id": name, "object": "model", "created": self.created, "owned_by": "pagedserve",
             "root": self.model_name, "max_model_len": self.max_model_len,
-        }]}
+        } for name in self.model_names]}
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(400, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+        if model is not None and model not in self.model_names:
+            served = ", ".join(repr(name) for name in self.model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model",
+                           "model_not_found")
 
     # ---------------------------------------------------------------- tokenize
 
@@ -262,8 +267,6 @@ class OpenAIServer:
         inp = self._sampling_input(body, request)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported", "echo")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -274,23 +277,37 @@ class OpenAIServer:
         else:
             inp.prompt_token_ids = prompt
         inp.max_tokens, inp.logprobs = body.max_tokens, body.logprobs
+        if body.echo:  # the echoed prompt's tokens come with their logprobs
+            inp.prompt_logprobs = body.logprobs
         prompt_ids, params = self._validate(inp)
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else None
         response_id = f"cmpl-{inp.request_id}"
         call = self._call(prompt_ids, params, inp)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return self._sse(request, call, response_id, inp.request_id,
-                             lambda delta, first: self._completion_chunk(response_id, delta, echo if first else None),
-                             "text_completion", include_usage)
+            prompt_logprobs: list[list[SampledToken] | None] = [None]  # choice 0's, echoed by every choice
+
+            def chunk(delta: ChoiceDelta, first: bool) -> dict:
+                if delta.prompt_logprobs is not None:
+                    prompt_logprobs[0] = delta.prompt_logprobs
+                echoed = None
+                if first and echo is not None and params.prompt_logprobs is not None:
+                    echoed = self._echoed_tokens(prompt_ids, prompt_logprobs[0])
+                return self._completion_chunk(delta, echo if first else None, echoed)
+
+            return self._sse(request, call, response_id, inp.request_id, chunk, "text_completion", include_usage)
         deltas = await self._collect(request, call)
+        echoed = None
+        if echo is not None and params.prompt_logprobs is not None:
+            echoed = self._echoed_tokens(prompt_ids, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None))
         choices = []
         for index in range(params.n):
             mine = [d for d in deltas if d.index == index]
             choice = {"index": index, "text": (echo or "") + "".join(d.text for d in mine), "logprobs": None,
                       "finish_reason": mine[-1].finish_reason}
             if params.logprobs is not None:
-                choice["logprobs"] = self._completion_logprobs([t for d in mine for t in d.logprobs or []])
+                choice["logprobs"] = self._completion_logprobs(
+                    (echoed or []) + [t for d in mine for t in d.logprobs or []])
             choices.append(choice)
         return self._json({"id": response_id, "object": "text_completion", "created": int(time.time()),
                            "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
@@ -333,6 +350,9 @@ class OpenAIServer:
                            "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
 
     def _call(self, prompt_ids, params, inp: GenerateInput) -> GenerateCall:
+        # Refused here, before a stream's 200 goes out; the link refuses one that slips past (as an error event).
+        if self.link.draining:
+            raise APIError(503, DRAINING)
         return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, _AsyncInbox())
 
     @staticmethod
@@ -390,10 +410,18 @@ class OpenAIServer:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 
-    def _completion_chunk(self, response_id: str, delta: ChoiceDelta, echo: str | None) -> dict:
+    def _completion_chunk(self, delta: ChoiceDelta, echo: str | None, echoed: list[SampledToken] | None) -> dict:
+        tokens = (echoed or []) + (delta.logprobs or [])
         return {"index": delta.index, "text": (echo or "") + delta.text,
-                "logprobs": self._completion_logprobs(delta.logprobs) if delta.logprobs else None,
+                "logprobs": self._completion_logprobs(tokens) if tokens else None,
                 "finish_reason": delta.finish_reason}
+
+    @staticmethod
+    def _echoed_tokens(prompt_ids: list[int], prompt_logprobs: list[SampledToken] | None) -> list[SampledToken]:
+        """The prompt's tokens with their logprobs, as OpenAI echoes them: the first one has none."""
+        if len(prompt_ids) > 1 and (prompt_logprobs is None or len(prompt_logprobs) != len(prompt_ids) - 1):
+            raise APIError(500, "the prompt's logprobs did not come back from the back end")
+        return [SampledToken(prompt_ids[0])] + (prompt_logprobs or [])
 
     def _chat_chunk(self, delta: ChoiceDelta, first: bool) -> dict:
         message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
@@ -412,7 +440,9 @@ class OpenAIServer:
             at += len(text)
         return {
             "tokens": texts, "token_logprobs": [t.logprob for t in tokens], "text_offset": offsets,
-            "top_logprobs": [{self._token_text(i): lp for i, lp in zip(t.top_token_ids, t.top_logprobs)}
+            # None for an echoed prompt's first token, which has no logprob.
+            "top_logprobs": [None if t.logprob is None else
+                             {self._token_text(i): lp for i, lp in zip(t.top_token_ids, t.top_logprobs)}
                              for t in tokens],
         }
 

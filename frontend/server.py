@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from frontend.generation import GenerateCall, GenerateError
+from frontend.generation import DRAINING, GenerateCall, GenerateError
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.convert import FINISH_REASONS, request_output_from_proto, sampling_to_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -52,6 +52,9 @@ class SchedulerLink:
     to be back (wait_for_ready), and re-submits on it every request in flight with the tokens it has
     produced so far: the restarted scheduler continues them, and their client streams simply go on.
     Requests submitted meanwhile wait on the new stream, as long as their callers wait for them.
+
+    Draining (SIGTERM), the link refuses new calls and carries on those it has; idle() says when they
+    have all been released.
     """
 
     def __init__(self, scheduler_stub) -> None:
@@ -59,6 +62,7 @@ class SchedulerLink:
         self.in_flight: dict[str, _InFlight] = {}
         self.lock = threading.Lock()
         self.closing = False
+        self.draining = False
         self.outgoing: queue.SimpleQueue | None = None
         with self.lock:
             self._open()
@@ -126,9 +130,10 @@ class SchedulerLink:
             return f"lost the scheduler: {error.code().name}"
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None, inbox=None, priority: int = 0):
+               cache_salt: str | None, inbox=None, priority: int = 0, new_call: bool = True):
         """Sends the request; its outputs go to `inbox` (a new SimpleQueue if not given), which is returned.
-        Several requests may share one inbox: outputs carry their request id."""
+        Several requests may share one inbox: outputs carry their request id. new_call: the request
+        starts a call (refused while draining), rather than continuing one (another of its choices)."""
         add = scheduler_pb2.AddRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, cache_salt=cache_salt or "", priority=priority,
         )
@@ -137,6 +142,8 @@ class SchedulerLink:
         with self.lock:
             if self.closing:
                 raise ConnectionError("the frontend is shutting down")
+            if self.draining and new_call:
+                raise ConnectionError(DRAINING)
             if request_id in self.in_flight:
                 raise KeyError(request_id)
             self.in_flight[request_id] = entry
@@ -153,6 +160,15 @@ class SchedulerLink:
     def release(self, request_id: str) -> None:
         with self.lock:
             self.in_flight.pop(request_id, None)
+
+    def start_draining(self) -> None:
+        with self.lock:
+            self.draining = True
+
+    def idle(self) -> bool:
+        """No request submitted and not yet released (its call ended)."""
+        with self.lock:
+            return not self.in_flight
 
     def close(self) -> None:
         with self.lock:
@@ -177,7 +193,7 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         priority=request.priority,
     )
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens",
-                 "repetition_penalty", "json_schema", "n"):
+                 "repetition_penalty", "json_schema", "n", "prompt_logprobs"):
         if sampling.HasField(name):
             setattr(inp, name, getattr(sampling, name))
     inp.presence_penalty = sampling.presence_penalty
@@ -278,6 +294,8 @@ def _response(request_id: str, delta) -> generate_pb2.GenerateResponse:
     )
     for token in delta.logprobs or []:
         token_to_proto(token, response.logprobs.add())
+    for token in delta.prompt_logprobs or []:
+        token_to_proto(token, response.prompt_logprobs.add())
     if delta.finish_reason is not None:
         response.finish_reason = FINISH_REASONS[delta.finish_reason]
         response.usage.prompt_tokens = delta.usage.prompt_tokens

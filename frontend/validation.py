@@ -42,6 +42,7 @@ class GenerateInput:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
@@ -132,6 +133,7 @@ def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
             temperature=inp.temperature, top_p=inp.top_p, top_k=inp.top_k, min_p=inp.min_p,
             seed=inp.seed, max_tokens=inp.max_tokens, min_tokens=inp.min_tokens,
             stop=inp.stop, stop_token_ids=inp.stop_token_ids, ignore_eos=inp.ignore_eos, logprobs=inp.logprobs,
+            prompt_logprobs=inp.prompt_logprobs,
             include_stop_str_in_output=inp.include_stop_str_in_output, skip_special_tokens=inp.skip_special_tokens,
             presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
             repetition_penalty=inp.repetition_penalty, logit_bias=inp.logit_bias, json_schema=inp.json_schema,

@@ -18,7 +18,7 @@ logger = logging.getLogger("kvcache_svc")
 
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca", "internal_token_file"),
-    CacheConfig: ("enable_prefix_caching", "offload_all", "redis_url", "redis_namespace"),
+    CacheConfig: ("enable_prefix_caching", "offload_all", "redis_url", "redis_namespace", "preemption_mode"),
 }
 
 

@@ -41,5 +41,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
             usage=stats["usage"], num_step_calls=calls, prefix_cache_queries=stats["prefix_cache_queries"],
             prefix_cache_hits=stats["prefix_cache_hits"], evictions=stats["evictions"],
             tier_hits=stats["tier_hits"], blocks_saved=stats["blocks_saved"], tier_errors=stats["tier_errors"],
-            bytes_moved=stats["bytes_moved"], num_preemptions=stats["num_preemptions"],
+            bytes_moved=stats["bytes_moved"], num_preemptions=stats["num_preemptions"], num_swaps=stats["num_swaps"],
+            blocks_swapped_out=stats["blocks_swapped_out"], blocks_swapped_in=stats["blocks_swapped_in"],
+            swap_blocks_in_use=stats["swap_blocks_in_use"],
         )

@@ -20,12 +20,33 @@ CPU_KV_CACHE_CAP = 4 << 30
 # The default prompt limit in characters per token of the context: generous for any tokenizer's longest
 # tokens, and still refuses a prompt of megabytes before it costs seconds of tokenizing.
 PROMPT_CHARS_PER_TOKEN = 16
+# The default model (ModelConfig.model "default"): its name, as the HTTP API lists it.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Where each service listens unless told (--port); pagedserve up's public API is the frontend's.
 SERVICE_PORTS = {"frontend": 50051, "scheduler_svc": 50052, "kvcache_svc": 50053, "executor_svc": 50054}
 # `pagedserve up` restarts a service that dies: the backoff between restarts stops growing here, and a run
 # this long counts as healthy (the next failure starts the backoff and the count of rapid failures afresh).
 RESTART_BACKOFF_CAP_S = 30.0
 RESTART_STABLE_S = 60.0
+
+# The environment variables the services read. Secrets travel here rather than on a command line, which
+# `ps` shows to every local user.
+INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+CACHE_DIR_ENV = "PAGEDSERVE_CACHE"
+PARENT_PID_ENV = "PAGEDSERVE_PARENT_PID"
+# {variable: (the services that read it, what it holds)}: the docs render it, and the deployment tests check
+# that compose and Kubernetes give a service no variable it does not read.
+ENVIRONMENT = {
+    INTERNAL_TOKEN_ENV: (tuple(SERVICE_PORTS), "the shared secret every internal RPC carries (unless "
+                                               "`internal_token_file` is given)"),
+    API_KEY_ENV: (("frontend",), "an API key the public APIs accept, besides those of `api_key_file` "
+                                 "(`pagedserve generate` sends it)"),
+    CACHE_DIR_ENV: (("executor_svc",), "where models are converted and kept (default: `$XDG_CACHE_HOME/pagedserve`, "
+                                       "else `~/.cache/pagedserve`); the frontend reads the tokenizer from there"),
+    PARENT_PID_ENV: (tuple(SERVICE_PORTS), "set by `pagedserve up`: the launcher's pid; a service whose launcher "
+                                           "is gone shuts down"),
+}
 
 
 def option(default, help: str, *, choices=None, min=None, max=None, flag: bool = True):
@@ -95,7 +116,7 @@ class _Config:
 class ModelConfig(_Config):
     """What runs: the checkpoint, its numbers and how the executor runs it."""
 
-    model: str = option("default", "`default` (SmolLM2-135M-Instruct), a Hugging Face directory or a `.gguf` file")
+    model: str = option("default", f"`default` ({DEFAULT_MODEL_NAME}), a Hugging Face directory or a `.gguf` file")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model's)")
     device: str = option("auto", "`auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`")
     dtype: str = option("auto", "weights and KV cache; `auto`: bfloat16 on CUDA and on a CPU with native "
@@ -133,6 +154,13 @@ class ModelConfig(_Config):
         return dataclasses.replace(self, device=device, dtype=dtype)
 
 
+def model_name(model: str) -> str:
+    """A model's own name (ModelConfig.model): the default model's, or its directory's or GGUF file's."""
+    if model == ModelConfig.model:
+        return DEFAULT_MODEL_NAME
+    return Path(model).expanduser().resolve().name.removesuffix(".gguf")
+
+
 # CPU flags (as /proc/cpuinfo names them) of native bfloat16 matrix arithmetic: AMX tiles, AVX512 dot products.
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -152,7 +180,7 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class CacheConfig(_Config):
-    """The paged KV cache: its blocks, its size, prefix caching and the offload tier."""
+    """The paged KV cache: its blocks, its size, prefix caching, the offload tier and preemption."""
 
     block_size: int = option(16, "tokens per KV block", min=1, max=1024)
     kv_cache_memory: int | None = option(
@@ -171,6 +199,13 @@ class CacheConfig(_Config):
     redis_ttl: int | None = option(None, "seconds an offloaded block lives in Redis (default: until evicted)",
                                    min=1)
     offload_all: bool = option(False, "copy every block to the offload tier as it fills, not only on eviction")
+    preemption_mode: str = option(
+        "auto", "when the pool runs short, the preempted request's K/V is `recompute`d when it resumes, or its "
+                "blocks are copied to host memory and loaded back (`swap`); `auto`: whichever the executor's "
+                "measured prefill and copy speeds make cheaper, per request. Without room in `swap_host_bytes`, "
+                "recompute", choices=("recompute", "swap", "auto"))
+    swap_host_bytes: int = option(1 << 30, "bytes of host memory for the blocks of requests preempted by swap",
+                                  min=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -242,7 +277,9 @@ class ServingConfig(_Config):
     max_streams: int = option(512, "concurrent Generate streams the frontend serves", min=1)
     http_address: str = option("127.0.0.1:8000", "host:port of the frontend's OpenAI-compatible HTTP API (empty: "
                                                  "none; a Stack with port 0 picks a free port)")
-    served_model_name: str | None = option(None, "the model's name on the HTTP API (default: the model's own)")
+    served_model_name: tuple[str, ...] | None = option(
+        None, "the model's names on the HTTP API: requests may name any, responses give the first (default: "
+              "the model's own: its directory's or GGUF file's name, `SmolLM2-135M-Instruct` for `default`)")
     restart_backoff: float = option(1.0, "`pagedserve up`: seconds before restarting a service that died; "
                                           "doubles with each rapid failure in a row, up to "
                                           f"{RESTART_BACKOFF_CAP_S:g}", min=0.01)
@@ -268,9 +305,17 @@ class ServingConfig(_Config):
     internal_token_file: str | None = option(
         None, "file holding the shared secret that internal RPCs must carry (default: `PAGEDSERVE_INTERNAL_TOKEN`"
               "; `pagedserve up` makes one per stack)")
+    drain_timeout_s: float = option(30.0, "on SIGTERM: seconds the frontend and the scheduler go on serving the "
+                                          "requests in flight (refusing new ones with UNAVAILABLE, health "
+                                          "NOT_SERVING) before they exit", min=0)
+    frontends: int = option(1, "`pagedserve up`: frontend processes; frontend k listens on the public port + k "
+                               "and the HTTP port + k", min=1, max=64)
+    executors: int = option(1, "`pagedserve up`: executor processes, on consecutive internal ports", min=1, max=64)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.served_model_name is not None and not all(name.strip() for name in self.served_model_name):
+            raise ValueError(f"served_model_name must be non-empty names, got {self.served_model_name!r}")
         if self.http_address and not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}", self.http_address):
             raise ValueError(f"http_address must be host:port, got {self.http_address!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -399,7 +444,10 @@ def _cell(value) -> str:
 
 
 def render_tables() -> str:
-    out = []
+    out = ["### Environment variables", "", "| variable | read by | meaning |", "|---|---|---|"]
+    for name, (services, meaning) in ENVIRONMENT.items():
+        out.append(f"| `{name}` | {', '.join(services)} | {meaning} |")
+    out.append("")
     for cls in CONFIG_CLASSES:
         out += [f"### `{cls.__name__}`", "", cls.__doc__, "",
                 "| field | flag | default | allowed | meaning |", "|---|---|---|---|---|"]

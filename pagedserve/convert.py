@@ -13,6 +13,7 @@ from pagedserve.step import (
     ExecuteRequest,
     ExecuteResult,
     ExecuteStep,
+    PromptLogprobs,
     RequestOutput,
     SampledToken,
 )
@@ -25,6 +26,7 @@ FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
     "overloaded": common_pb2.FINISH_REASON_OVERLOADED,
+    "unavailable": common_pb2.FINISH_REASON_UNAVAILABLE,
 }
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
@@ -60,6 +62,8 @@ def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | N
     out.json_object = params.json_object
     if params.n != 1:
         out.n = params.n
+    if params.prompt_logprobs is not None:
+        out.prompt_logprobs = params.prompt_logprobs
     return out
 
 
@@ -67,7 +71,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: 
     """Unset fields take SamplingParams' defaults; raises ValueError naming a bad field."""
     fields = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty", "json_schema",
-                 "n"):
+                 "n", "prompt_logprobs"):
         if message.HasField(name):
             fields[name] = getattr(message, name)
     fields["max_tokens"] = message.max_tokens if message.HasField("max_tokens") else default_max_tokens
@@ -102,11 +106,11 @@ def token_from_proto(message: common_pb2.TokenLogprob) -> SampledToken:
 
 def _transfers_to_proto(transfers: list[BlockTransfer], out) -> None:
     for t in transfers:
-        out.add(block_id=t.block_id, block_hash=t.block_hash)
+        out.add(block_id=t.block_id, block_hash=t.block_hash, num_tokens=t.num_tokens)
 
 
 def _transfers_from_proto(messages) -> list[BlockTransfer]:
-    return [BlockTransfer(m.block_id, m.block_hash) for m in messages]
+    return [BlockTransfer(m.block_id, m.block_hash, m.num_tokens) for m in messages]
 
 
 # --------------------------------------------------------------------------- scheduler <-> block manager
@@ -166,7 +170,8 @@ def _running_from_proto(columns: kvcache_pb2.RunningRequests) -> list[BlockReque
 def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStepResult:
     """Only the deltas that add blocks travel: a running request served without new blocks (most of them,
     most steps) needs none, and an admitted request always gets blocks."""
-    out = kvcache_pb2.BlockStepResult(preempted_request_ids=result.preempted_request_ids)
+    out = kvcache_pb2.BlockStepResult(preempted_request_ids=result.preempted_request_ids,
+                                      swap_free=result.swap_free)
     for request_id, block_ids in result.new_block_ids.items():
         if not block_ids:
             continue
@@ -176,6 +181,7 @@ def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStep
         _transfers_to_proto(result.tier_loads.get(request_id, []), delta.tier_loads)
     _transfers_to_proto(result.saves_before, out.saves_before)
     _transfers_to_proto(result.saves_after, out.saves_after)
+    _transfers_to_proto(result.swap_out, out.swap_out)
     return out
 
 
@@ -187,6 +193,8 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
         tier_loads={rid: _transfers_from_proto(d.tier_loads) for rid, d in message.deltas.items() if d.tier_loads},
         saves_before=_transfers_from_proto(message.saves_before),
         saves_after=_transfers_from_proto(message.saves_after),
+        swap_out=_transfers_from_proto(message.swap_out),
+        swap_free=list(message.swap_free),
     )
 
 
@@ -199,17 +207,18 @@ FEED_SAMPLED = -1
 
 def _is_decode_row(r: ExecuteRequest) -> bool:
     """A row that DecodeRows can carry: a request whose state the executor holds, computing one token."""
-    return (r.sample and r.sampling_params is None and not r.load_blocks
+    return (r.sample and r.sampling_params is None and not r.load_blocks and not r.prompt_logprobs
             and len(r.token_ids) + r.feed_sampled == 1)
 
 
 def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
     out = executor_pb2.ExecuteStep(
         finished_request_ids=step.finished_request_ids, executor_epoch=step.executor_epoch,
-        scheduler_id=step.scheduler_id, step_id=step.step_id,
+        scheduler_id=step.scheduler_id, step_id=step.step_id, swap_free=step.swap_free,
     )
     _transfers_to_proto(step.save_blocks, out.save_blocks)
     _transfers_to_proto(step.save_blocks_after, out.save_blocks_after)
+    _transfers_to_proto(step.swap_out, out.swap_out)
     ids, positions, tokens, block_rows, block_ids = [], [], [], [], []
     for r in step.requests:
         if _is_decode_row(r):
@@ -223,6 +232,7 @@ def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
         item = out.requests.add(
             request_id=r.request_id, token_ids=r.token_ids, start_position=r.start_position,
             new_block_ids=r.new_block_ids, sample=r.sample, feed_sampled=r.feed_sampled,
+            prompt_logprobs=r.prompt_logprobs,
         )
         if r.sampling_params is not None:
             sampling_to_proto(r.sampling_params, item.sampling)
@@ -261,6 +271,7 @@ def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteS
             load_blocks=_transfers_from_proto(r.load_blocks),
             prefix_token_ids=list(r.prefix_token_ids),
             feed_sampled=r.feed_sampled,
+            prompt_logprobs=r.prompt_logprobs,
         ))
     requests += _decode_rows_from_proto(message.decodes)
     step = ExecuteStep(
@@ -271,6 +282,8 @@ def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteS
         save_blocks=_transfers_from_proto(message.save_blocks),
         save_blocks_after=_transfers_from_proto(message.save_blocks_after),
         step_id=message.step_id,
+        swap_out=_transfers_from_proto(message.swap_out),
+        swap_free=list(message.swap_free),
     )
     return step, rejected
 
@@ -298,7 +311,7 @@ def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult
     out = executor_pb2.ExecuteResult(
         num_prefill_tokens=result.num_prefill_tokens, num_decode_tokens=result.num_decode_tokens,
         num_loaded_blocks=result.num_loaded_blocks, num_failed_loads=result.num_failed_loads,
-        rejected=result.rejected,
+        rejected=result.rejected, deferred=result.deferred,
     )
     sampled = result.sampled
     out.sampled_request_ids[:] = list(sampled)
@@ -306,6 +319,11 @@ def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult
     for request_id, token in sampled.items():
         if token.logprob is not None:
             token_to_proto(token, out.sampled_logprobs[request_id])
+    for request_id, run in result.prompt_logprobs.items():
+        entry = out.prompt_logprobs[request_id]
+        entry.start_position = run.start_position
+        for token in run.tokens:
+            token_to_proto(token, entry.tokens.add())
     return out
 
 
@@ -321,6 +339,9 @@ def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteRes
         num_loaded_blocks=message.num_loaded_blocks,
         num_failed_loads=message.num_failed_loads,
         rejected=dict(message.rejected),
+        prompt_logprobs={rid: PromptLogprobs(run.start_position, [token_from_proto(t) for t in run.tokens])
+                         for rid, run in message.prompt_logprobs.items()},
+        deferred=list(message.deferred),
     )
 
 
@@ -336,6 +357,7 @@ def request_output_from_proto(message: scheduler_pb2.RequestOutput) -> RequestOu
         num_prompt_tokens=message.num_prompt_tokens,
         num_output_tokens=message.num_output_tokens,
         error=message.error or None,
+        prompt_logprobs=[token_from_proto(t) for t in message.prompt_logprobs] or None,
     )
 
 
@@ -348,4 +370,6 @@ def request_output_to_proto(output: RequestOutput, out: scheduler_pb2.RequestOut
     out.num_prompt_tokens = output.num_prompt_tokens
     out.num_output_tokens = output.num_output_tokens
     out.error = output.error or ""
+    for token in output.prompt_logprobs or []:
+        token_to_proto(token, out.prompt_logprobs.add())
     return out

@@ -4,6 +4,7 @@ Validated on construction so that a bad value fails where the user wrote it, wit
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 # Beyond this many top logprobs per token the cost is all copying; vLLM caps at 20 as well.
@@ -16,6 +17,8 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_PENALTY = 2.0
 # Siblings share one prompt's prefill; each is a request of its own in the back end.
 MAX_N = 16
+# Seeds are int64 on the wire.
+SEED_MODULUS = 1 << 63
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by a temperature of 1e-38 would
 # overflow them to infinities, whose softmax is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -34,6 +37,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # return the chosen token's logprob and this many top logprobs
+    # Return the logprob of every prompt token after the first (which has none) and this many top logprobs
+    # for each, computed with the prompt: such a request is never served from the prefix cache.
+    prompt_logprobs: int | None = None
     # vLLM's (and OpenAI's) penalties: presence and frequency over the output tokens, repetition over the
     # prompt and output tokens (logits divided by it when positive, multiplied when negative).
     presence_penalty: float = 0.0
@@ -93,10 +99,12 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {token_id}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
         for name in ("presence_penalty", "frequency_penalty"):
             _check_number(name, getattr(self, name))
@@ -132,6 +140,13 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}")
             bias[token_id] = float(value)
         self.logit_bias = bias
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """What choice `index` of n runs with: one choice each, seeded choices seeded apart (so that they differ
+        and are each reproducible), and the prompt's logprobs asked of the first choice only (the others get
+        its prompt from the prefix cache)."""
+        seed = None if self.seed is None else (self.seed + index) % SEED_MODULUS
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def greedy(self) -> bool:

@@ -9,31 +9,38 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pagedserve.config import API_KEY_ENV, INTERNAL_TOKEN_ENV, PARENT_PID_ENV
 
 logger = logging.getLogger(__name__)
 
 # Between services a step of a long context and a big batch is larger than gRPC's 4 MiB default. The
 # public port has its own, smaller limit (ServingConfig.max_message_bytes).
 INTERNAL_MAX_MESSAGE_BYTES = 256 << 20
-# The internal secret travels in this metadata key; `pagedserve up` hands it to its services in this
-# variable, never on the command line (which `ps` shows to every local user).
+# The internal secret travels in this metadata key; `pagedserve up` hands it to its services in
+# INTERNAL_TOKEN_ENV, never on the command line.
 TOKEN_METADATA_KEY = "x-pagedserve-token"
-INTERNAL_TOKEN_ENV = "PAGEDSERVE_INTERNAL_TOKEN"
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
-# Set by `pagedserve up` for its services: the launcher's pid. A service whose launcher is gone (killed
-# with SIGKILL, which it cannot pass on) shuts down rather than run on as an orphan nobody supervises.
-PARENT_PID_ENV = "PAGEDSERVE_PARENT_PID"
+# A service whose launcher (PARENT_PID_ENV) is gone, killed with SIGKILL, which it cannot pass on, shuts
+# down rather than run on as an orphan nobody supervises; it looks this often.
 PARENT_POLL_S = 1.0
 # Health stays open: load balancers, compose and the launcher probe it without credentials.
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 # Each dependency's health is checked this often, each check given this long to answer.
 HEALTH_POLL_S = 0.5
 HEALTH_TIMEOUT_S = 0.5
+# The health service name of a liveness probe: SERVING from start to exit, a drain included. The overall
+# health ("", what readiness asks) also turns NOT_SERVING while a dependency is down or the service drains,
+# and a liveness probe on it would restart a healthy process for its neighbour's outage.
+LIVENESS_SERVICE = "liveness"
+# While draining, how often the service looks whether its requests in flight are done.
+DRAIN_POLL_S = 0.05
 
 
 def _options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -291,9 +298,18 @@ class _Gate(grpc.ServerInterceptor):
         return _decode_quietly(handler, details.method)
 
 
+class Drainable(Protocol):
+    """What a service that drains on SIGTERM provides: refuse new requests from now on; whether the
+    requests in flight are all done."""
+
+    def start_draining(self) -> None: ...
+
+    def idle(self) -> bool: ...
+
+
 class Service:
     """A gRPC server with the health service: SERVING once start() has returned, and while every one of
-    its dependencies ({name: address}) is SERVING.
+    its dependencies ({name: address}) is SERVING and it is not draining.
 
     public: the client-facing port (API keys, client CA, the public message size limit); otherwise an
     internal one (the internal token, mutual TLS with the services' CA)."""
@@ -322,10 +338,13 @@ class Service:
             raise RuntimeError(f"{name}: cannot listen on {host}:{port} (in use, or not an address of this host)")
         self.address = f"{host}:{self.port}"
         self.tls = credentials is not None
+        self.draining = False
+        self.health_lock = threading.Lock()  # a dependency's change must not undo the drain's NOT_SERVING
 
     def start(self) -> None:
         tune_garbage_collector()
         self.server.start()
+        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if self.watcher is not None:
             self.watcher.start()
         else:
@@ -333,12 +352,33 @@ class Service:
         logger.info("%s serving on %s%s", self.name, self.address, " (TLS)" if self.tls else "")
 
     def _dependencies_changed(self, healthy: bool, down: list[str]) -> None:
-        if healthy:
-            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-            logger.info("%s: every dependency is serving; SERVING", self.name)
-        else:
+        with self.health_lock:
+            if self.draining:
+                return
+            if healthy:
+                self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+                logger.info("%s: every dependency is serving; SERVING", self.name)
+            else:
+                self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                logger.warning("%s: %s not serving; NOT_SERVING until it is", self.name, ", ".join(down))
+
+    def drain(self, drainable: Drainable, timeout: float, interrupted: threading.Event | None = None) -> bool:
+        """NOT_SERVING, new requests refused, and up to timeout seconds (less if interrupted is set) for
+        the requests in flight to finish, while the server goes on serving them. Whether they all did."""
+        with self.health_lock:
+            self.draining = True
             self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-            logger.warning("%s: %s not serving; NOT_SERVING until it is", self.name, ", ".join(down))
+        drainable.start_draining()
+        logger.info("%s draining: NOT_SERVING, refusing new requests, up to %g s for those in flight",
+                    self.name, timeout)
+        deadline = time.monotonic() + timeout
+        interrupted = interrupted or threading.Event()
+        while not drainable.idle():
+            if time.monotonic() >= deadline or interrupted.wait(DRAIN_POLL_S):
+                logger.warning("%s: requests still in flight after the drain; stopping anyway", self.name)
+                return False
+        logger.info("%s drained", self.name)
+        return True
 
     def stop(self, grace: float = 2.0) -> None:
         self.health.enter_graceful_shutdown()
@@ -346,12 +386,18 @@ class Service:
             self.watcher.stop()
         self.server.stop(grace).wait()
 
-    def serve_until_signalled(self, on_stop=None, main_loop=None) -> None:
-        """Runs until SIGTERM or SIGINT, then stops accepting calls and shuts down cleanly. main_loop, if
-        given, runs on this (the main) thread until the stop event is set."""
-        stopping = threading.Event()
+    def serve_until_signalled(self, on_stop=None, main_loop=None, drainable: Drainable | None = None,
+                              drain_timeout: float = 0.0) -> None:
+        """Runs until SIGTERM or SIGINT, then (with drainable) drains for up to drain_timeout seconds, a
+        second signal cutting the drain short, and shuts down cleanly. main_loop, if given, runs on this
+        (the main) thread until the stop event is set."""
+        stopping, interrupted = threading.Event(), threading.Event()
+
+        def on_signal(*_) -> None:
+            (interrupted if stopping.is_set() else stopping).set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stopping.set())
+            signal.signal(sig, on_signal)
         if os.environ.get(PARENT_PID_ENV):
             threading.Thread(target=self._stop_when_orphaned, args=(int(os.environ[PARENT_PID_ENV]), stopping),
                              name="parent-watch", daemon=True).start()
@@ -359,6 +405,8 @@ class Service:
         if main_loop is not None:
             main_loop(stopping)
         stopping.wait()
+        if drainable is not None:
+            self.drain(drainable, drain_timeout, interrupted)
         logger.info("%s shutting down", self.name)
         if on_stop is not None:
             on_stop()

@@ -39,10 +39,18 @@ class BlockRequest:
 
 @dataclass(slots=True)
 class BlockTransfer:
-    """A block's K/V moving between the KV pool and the offload tier, named by its prefix hash."""
+    """A block's K/V moving between the KV pool and host memory (the offload tier, or the swap space of a
+    preempted request), named by its prefix hash."""
 
     block_id: int
     block_hash: bytes
+    # A load of a preempted request's last, partial block: its leading slots that hold K/V (0: all of them).
+    num_tokens: int = 0
+
+
+def num_loaded_tokens(loads: list[BlockTransfer], block_size: int) -> int:
+    """The tokens these loads fill, from the first: every block's, a partial one's leading num_tokens."""
+    return sum(load.num_tokens or block_size for load in loads)
 
 
 @dataclass(slots=True)
@@ -80,13 +88,17 @@ class BlockStepResult:
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
     # Running requests that gave all their blocks back this step, in the order taken (newest first).
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Offload tier. Per admitted request: blocks (right after its pool hits) to fill from the tier; they
-    # are counted in num_cached_tokens.
+    # Per admitted request: blocks (right after its pool hits) to fill from host memory, its own swapped
+    # copies first, then the offload tier; they are counted in num_cached_tokens.
     tier_loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)
     # Cached blocks this step hands to other tokens: copied out before the step overwrites them.
     saves_before: list[BlockTransfer] = field(default_factory=list)
     # Blocks this step fills, copied out after it (write-through, when asked for).
     saves_after: list[BlockTransfer] = field(default_factory=list)
+    # Preemption by swap: blocks of the requests preempted this step, copied to the swap space before the
+    # step overwrites them; and the swap-space copies that are no longer needed.
+    swap_out: list[BlockTransfer] = field(default_factory=list)
+    swap_free: list[bytes] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- scheduler -> executor
@@ -110,8 +122,8 @@ class ExecuteRequest:
     # Sent with sampling_params: the prompt length, from which the executor counts output tokens
     # (min_tokens keeps stop and EOS tokens from being sampled until that many exist).
     prompt_len: int = 0
-    # Blocks to fill from the offload tier before computing: they hold the first len(load_blocks) *
-    # block_size of token_ids, which are computed only if a load fails.
+    # Blocks to fill from host memory (swap space or offload tier) before computing: they hold the first
+    # num_loaded_tokens(load_blocks) of token_ids, which are computed only if a load fails.
     load_blocks: list[BlockTransfer] = field(default_factory=list)
     # Sent with sampling_params when the sampling follows every token (sampling_params.needs_token_history):
     # the tokens before start_position, which the executor does not compute (a cached prefix).
@@ -119,6 +131,9 @@ class ExecuteRequest:
     # The row computes one more token after token_ids: the one the executor sampled for this request in its
     # previous step, which the scheduler planned this step without knowing (steps planned ahead).
     feed_sampled: bool = False
+    # Return the logprobs of the prompt tokens this step computes (sampling_params.prompt_logprobs): the
+    # scheduler asks while the request still lacks some.
+    prompt_logprobs: bool = False
 
 
 @dataclass(slots=True)
@@ -136,6 +151,10 @@ class ExecuteStep:
     save_blocks_after: list[BlockTransfer] = field(default_factory=list)
     # The scheduler's number for the step (the block manager's for the same plan).
     step_id: int = 0
+    # Copied to the swap space before the step runs (before anything writes the pool); and swap-space copies
+    # released once the step's loads are done (see BlockStepResult).
+    swap_out: list[BlockTransfer] = field(default_factory=list)
+    swap_free: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -144,6 +163,15 @@ class SampledToken:
     logprob: float | None = None  # log-probability of token_id under the model's distribution
     top_token_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The logprobs of a run of prompt tokens: tokens[i] is the prompt token at start_position + i (at least 1:
+    the first token of a prompt has no logprob)."""
+
+    start_position: int
+    tokens: list[SampledToken] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -157,6 +185,11 @@ class ExecuteResult:
     # Requests refused before anything ran (invalid token ids, block ids, positions), with the reason;
     # the rest of the step ran without them.
     rejected: dict[str, str] = field(default_factory=dict)
+    # Per request that asked (ExecuteRequest.prompt_logprobs): the logprobs of the prompt tokens it computed.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Requests that reached their sampling position but were not sampled, their grammar still compiling: their
+    # last token is computed again in a later step, which samples them.
+    deferred: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- scheduler -> frontend
@@ -172,7 +205,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # so far, this step's included
-    error: str | None = None  # with finish_reason "error" or "overloaded" (refused at admission)
+    error: str | None = None  # with finish_reason "error", or "overloaded" or "unavailable" (refused at admission)
+    # With sampling_params.prompt_logprobs, once: the logprobs of prompt tokens 1 to the end (the first has none).
+    prompt_logprobs: list[SampledToken] | None = None
 
     @property
     def finished(self) -> bool:
@@ -181,7 +216,7 @@ class RequestOutput:
 
 def join_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """Each request's outputs of consecutive steps as one, in the order the requests first appear: its new
-    tokens (and logprobs) in order, the finish and counts of the last."""
+    tokens (and logprobs) in order, its prompt logprobs (sent once), the finish and counts of the last."""
     joined: dict[str, RequestOutput] = {}
     for output in outputs:
         earlier = joined.get(output.request_id)
@@ -189,6 +224,7 @@ def join_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
             output = dataclasses.replace(
                 output, new_token_ids=earlier.new_token_ids + output.new_token_ids,
                 new_logprobs=(earlier.new_logprobs or []) + (output.new_logprobs or []) or None,
+                prompt_logprobs=earlier.prompt_logprobs or output.prompt_logprobs,
             )
         joined[output.request_id] = output
     return list(joined.values())

@@ -15,7 +15,8 @@ from scheduler_svc.build import build_scheduler
 from scheduler_svc.server import RemoteBackends, SchedulerServicer
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "kvcache", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca", "internal_token_file"),
+    ServingConfig: ("host", "port", "log_level", "kvcache", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca",
+                    "internal_token_file", "drain_timeout_s"),
     SchedulerConfig: None,
 }
 
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
                       dependencies={"kvcache_svc": serving.kvcache, "executor_svc": serving.executor})
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     servicer.loop.start()
-    service.serve_until_signalled(on_stop=servicer.loop.stop)
+    service.serve_until_signalled(on_stop=servicer.loop.stop, drainable=servicer,
+                                  drain_timeout=serving.drain_timeout_s)
     executor_channel.close()
     kvcache_channel.close()
 

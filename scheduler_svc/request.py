@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import SampledToken
+from pagedserve.step import PromptLogprobs, SampledToken
 
 
 class RequestStatus(enum.Enum):
@@ -19,6 +19,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
         "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
         "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival", "num_pending_samples",
+        "prompt_logprobs", "prompt_logprobs_sent",
     )
 
     def __init__(
@@ -49,6 +50,10 @@ class Request:
             raise ValueError(f"{len(self.output_token_ids)} output tokens already produced: the request has "
                              f"no room left (at most {self.max_output_tokens})")
         self.output_logprobs: list[SampledToken] = []
+        # With sampling_params.prompt_logprobs: those of prompt tokens 1, 2, ... received so far, and whether
+        # they have gone out (once, whole).
+        self.prompt_logprobs: list[SampledToken] = []
+        self.prompt_logprobs_sent = False
         # Tokens whose K/V is in the cache (or scheduled this step): the scheduler's only notion of
         # progress; there are no prefill/decode phases, only catching up to num_tokens.
         self.num_computed_tokens = 0
@@ -68,8 +73,11 @@ class Request:
 
     def num_tokens_to_compute(self) -> int:
         """Tokens, known or pending, whose K/V is not computed or scheduled yet; none once a pending sample
-        is its last token (max_tokens or the context length)."""
-        if self.num_pending_samples and len(self.output_token_ids) + self.num_pending_samples >= self.max_output_tokens:
+        is its last token (max_tokens or the context length), nor while a grammar's sample is pending (the
+        executor may defer it: its last token is then computed again, so no step may be planned on it)."""
+        if self.num_pending_samples and (
+                self.sampling_params.structured
+                or len(self.output_token_ids) + self.num_pending_samples >= self.max_output_tokens):
             return 0
         return self.num_tokens + self.num_pending_samples - self.num_computed_tokens
 
@@ -80,6 +88,17 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1)
+
+    def add_prompt_logprobs(self, run: PromptLogprobs) -> None:
+        """Keeps the part of the run past what the request has: a recompute sends some of them again."""
+        wanted = 1 + len(self.prompt_logprobs)  # the position of the next one
+        if run.start_position <= wanted:
+            self.prompt_logprobs.extend(run.tokens[wanted - run.start_position:])
 
     def append_token(self, token: SampledToken) -> None:
         """Adds a sampled token and decides whether the request has finished."""

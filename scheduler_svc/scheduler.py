@@ -7,7 +7,8 @@ with what budget is left (a long prompt gets a chunk now and the rest in later s
 the block manager as one call with every running request in priority order and the waiting candidates;
 it grows the running ones in order and, when the pool runs short, preempts from the tail (the newest
 running request gives all of its blocks back and returns to the head of the waiting queue, to be
-recomputed later: its output does not change, since it resumes from the tokens it already has). The
+re-admitted later from the tokens it already has, so its output does not change; what of its K/V the block
+manager kept, in the pool, the offload tier or the swap space, is loaded rather than recomputed). The
 scheduler never counts blocks itself.
 
 Under the priority policy both queues are kept in (priority, arrival) order, so the block manager's
@@ -29,6 +30,10 @@ step has run). A request the executor refuses (a bad token id, block or position
 reason. When the executor raises for a step of several requests, nobody can tell which one caused it: each
 of them then runs in a step alone until one has succeeded, so that a request that fails again fails alone
 and the others go on.
+
+A request the executor defers (its grammar is still compiling) has its last token computed again in the
+next step, which samples it. A request that asks for its prompt's logprobs is admitted under a cache salt
+of its own until it has them all: a prompt taken from the prefix cache would not be computed, so not scored.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ from pagedserve.step import (
     ExecuteResult,
     ExecuteStep,
     RequestOutput,
+    num_loaded_tokens,
 )
 from scheduler_svc.request import Request, RequestStatus
 
@@ -100,7 +106,8 @@ class Scheduler:
         # Ended since the last step: the block manager frees them and the executor drops their state.
         self.pending_frees: list[str] = []
         self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # computed, then given back (preemption, a failed step), to compute again
+        # Computed, then given back (preemption, a failed step): recomputed, or loaded where a copy was kept.
+        self.num_recomputed_tokens = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -197,6 +204,7 @@ class Scheduler:
             requests=requests, finished_request_ids=executor_frees, executor_epoch=self.executor_epoch,
             scheduler_id=self.scheduler_id, save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
             step_id=step_id,
+            swap_out=blocks.swap_out, swap_free=blocks.swap_free,
         )
 
     def update(self, step: ExecuteStep, result: ExecuteResult) -> list[RequestOutput]:
@@ -205,7 +213,7 @@ class Scheduler:
         it from the request's true context), and will recompute it with the rest."""
         self.executed_step_ids.append(step.step_id)
         outputs = []
-        sampled, rejected = result.sampled, result.rejected
+        sampled, rejected, deferred = result.sampled, result.rejected, set(result.deferred)
         for executed, request in zip(step.requests, self.planned_requests.pop(step.step_id)):
             self.suspects.discard(request.request_id)
             if request.status is RequestStatus.FINISHED:
@@ -216,6 +224,17 @@ class Scheduler:
                 self.failed_request_ids.append(request.request_id)
                 outputs.append(self._end(request, "error", rejected[request.request_id]))
                 continue
+            run = result.prompt_logprobs.get(request.request_id)
+            if run is not None:
+                request.add_prompt_logprobs(run)
+            if request.request_id in deferred:
+                # Not sampled (its grammar is still compiling): its last token is computed again, and sampled,
+                # in a later step. (No step was planned on it meanwhile: see Request.num_tokens_to_compute; a
+                # request preempted since recomputes it anyway.)
+                if request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens -= 1
+                    self.num_recomputed_tokens += 1
+                continue
             token = sampled.get(request.request_id)
             if token is None:
                 continue
@@ -224,7 +243,11 @@ class Scheduler:
                 self._dequeue(request)
                 self._finish(request)
             logprobs = [token] if request.sampling_params.logprobs is not None else None
-            outputs.append(self._output(request, [token.token_id], logprobs))
+            output = self._output(request, [token.token_id], logprobs)
+            if request.sampling_params.prompt_logprobs is not None and not request.wants_prompt_logprobs \
+                    and not request.prompt_logprobs_sent:
+                output.prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
+            outputs.append(output)
         return outputs
 
     # ------------------------------------------------------------------ failures
@@ -304,9 +327,12 @@ class Scheduler:
     @staticmethod
     def _admit_request(s: _Scheduled) -> BlockRequest:
         request = s.request
+        # The prompt's logprobs come from computing it: a salt of its own for this admission finds nothing
+        # cached (vLLM skips the prefix cache for these requests too).
+        salt = f"prompt-logprobs:{uuid.uuid4().hex}" if request.wants_prompt_logprobs else request.cache_salt
         return BlockRequest(
             request.request_id, s.num_new_tokens,
-            prompt_token_ids=request.token_ids(0, request.num_tokens), cache_salt=request.cache_salt,
+            prompt_token_ids=request.token_ids(0, request.num_tokens), cache_salt=salt,
         )
 
     def _execute_request(self, s: _Scheduled, blocks: BlockStepResult, admitted: bool) -> ExecuteRequest:
@@ -323,7 +349,7 @@ class Scheduler:
         last = known + request.num_pending_samples  # (waiting requests have no sample pending)
         end = min(request.num_computed_tokens + s.num_new_tokens, last)
         # Tokens of blocks to load travel too, so that the executor can compute them if a load fails.
-        start = request.num_computed_tokens - len(loads) * self.config.block_size
+        start = request.num_computed_tokens - num_loaded_tokens(loads, self.config.block_size)
         request.num_computed_tokens = end
         sample = end == last
         if sample:
@@ -331,12 +357,14 @@ class Scheduler:
         token_ids = request.token_ids(start, min(end, known)) if start < known else []
         new_block_ids = blocks.new_block_ids.get(request_id, [])
         if not admitted:
-            return ExecuteRequest(request_id, token_ids, start, new_block_ids, sample, feed_sampled=end > known)
+            return ExecuteRequest(request_id, token_ids, start, new_block_ids, sample, feed_sampled=end > known,
+                                  prompt_logprobs=request.wants_prompt_logprobs)
         # The executor (re)creates its state for a request it sees for the first time since admission.
         params = request.sampling_params
         return ExecuteRequest(
             request_id, token_ids, start, new_block_ids, sample, params, len(request.prompt_token_ids), loads,
             prefix_token_ids=request.token_ids(0, start) if params.needs_token_history else [],
+            prompt_logprobs=request.wants_prompt_logprobs,
         )
 
     def _preempt(self, request: Request) -> None:

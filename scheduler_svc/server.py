@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 600.0  # a step on a CPU with a long prefill can take a while; a hung peer must not hang us forever
 EPOCH_TIMEOUT_S = 2.0
 WATCH_EVERY_S = 1.0
+DRAINING = "the scheduler is shutting down and takes no new requests; retry once another one serves"
 
 # A step answered with this error did not run on this executor instance (it was planned for another one):
 # its outcome is nothing, and nothing is wrong with its requests. Any other error is the executor raising.
@@ -157,6 +158,11 @@ class _Connection:
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """Any number of frontends connect, each with one stream; a request's outputs go back on the stream that
+    submitted it, and a stream that ends takes its requests with it (aborted, their blocks freed).
+
+    Draining (SIGTERM), it refuses new requests (finish reason "unavailable") and runs those it has."""
+
     def __init__(self, scheduler: Scheduler, backends: RemoteBackends, eos_token_ids: tuple[int, ...],
                  info: scheduler_pb2.SchedulerInfo) -> None:
         self.scheduler = scheduler
@@ -165,6 +171,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.info = info
         self.owners: dict[str, _Connection] = {}
         self.owners_lock = threading.Lock()
+        self.draining = False
         self.loop = EngineLoop(scheduler, backends.submit, self._publish, backends.executor_epoch,
                                async_scheduling=scheduler.config.async_scheduling)
 
@@ -218,17 +225,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             connection.outbox.put([RequestOutput(add.request_id, [], finish_reason="error", error=str(error))])
             return
         with self.owners_lock:
-            if add.request_id in self.owners:
-                duplicate = True
+            refusal = None
+            if self.draining:
+                refusal = RequestOutput(add.request_id, [], finish_reason="unavailable", error=DRAINING)
+            elif add.request_id in self.owners:
+                refusal = RequestOutput(add.request_id, [], finish_reason="error",
+                                        error=f"request_id {add.request_id!r} is already in use")
             else:
-                duplicate = False
                 self.owners[add.request_id] = connection
                 connection.request_ids.add(add.request_id)
-        if duplicate:
-            connection.outbox.put([RequestOutput(add.request_id, [], finish_reason="error",
-                                                 error=f"request_id {add.request_id!r} is already in use")])
+        if refusal is not None:
+            connection.outbox.put([refusal])
             return
         self.loop.add(request)
+
+    def start_draining(self) -> None:
+        with self.owners_lock:
+            self.draining = True
+
+    def idle(self) -> bool:
+        """Every request has finished and its blocks are freed (a step after it ends)."""
+        with self.owners_lock:
+            if self.owners:
+                return False
+        return not self.scheduler.has_unfinished_requests() and not self.scheduler.pending_frees
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Hands each frontend its requests' outputs (its stream converts and sends them)."""

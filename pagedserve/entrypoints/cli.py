@@ -1,4 +1,5 @@
-"""The ``pagedserve`` command: ``up`` starts the four services, ``generate`` streams from them."""
+"""The ``pagedserve`` command: ``up`` starts the four services (or a compose file's), ``generate`` streams
+from them."""
 from __future__ import annotations
 
 import argparse
@@ -25,20 +26,55 @@ UP_SECTIONS = {
     ModelConfig: None, CacheConfig: None, SchedulerConfig: None,
     ServingConfig: ("host", "port", "log_level", "startup_timeout", "max_streams", "restart_backoff", "max_restarts",
                     "max_message_bytes", "max_prompt_chars", "tls_cert", "tls_key", "tls_ca", "tls_client_ca",
-                    "api_key_file", "internal_token_file", "http_address", "served_model_name"),
+                    "api_key_file", "internal_token_file", "http_address", "served_model_name", "drain_timeout_s",
+                    "frontends", "executors"),
 }
+# What still applies with --compose (the launcher's own behaviour): the file gives everything else.
+COMPOSE_OPTIONS = ("restart_backoff", "max_restarts", "startup_timeout")
+
+
+def _scale(text: str) -> tuple[str, int]:
+    service, _, count = text.partition("=")
+    if not service or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"expected SERVICE=N with N at least 1, got {text!r}")
+    return service, int(count)
+
+
+def _compose_stack(args: argparse.Namespace, configs: dict):
+    from pagedserve.entrypoints.compose import ComposeStack
+    from pagedserve.entrypoints.supervisor import RestartPolicy
+
+    serving = configs[ServingConfig]
+    given = [name for cls, config in configs.items() for name, value in vars(config).items()
+             if name not in COMPOSE_OPTIONS and value != getattr(cls(), name)]
+    if given:
+        args.parser.error(f"--compose takes the services' configuration from the file; these flags would be "
+                          f"ignored: {', '.join('--' + n.replace('_', '-') for n in given)}")
+    return ComposeStack(args.compose, dict(args.scale or ()), tuple(args.profile or ()),
+                        policy=RestartPolicy(serving.restart_backoff, serving.max_restarts),
+                        startup_timeout=serving.startup_timeout)
 
 
 def _up(args: argparse.Namespace) -> int:
     from pagedserve.entrypoints.launcher import Stack
 
     configs = from_args(args.parser, args, UP_SECTIONS)
-    model = configs[ModelConfig].resolved()
-    config = PagedServeConfig(model, configs[CacheConfig], configs[SchedulerConfig], configs[ServingConfig])
+    if (args.scale or args.profile) and not args.compose:
+        args.parser.error("--scale and --profile need --compose (without it: --frontends, --executors)")
+    try:
+        if args.compose:
+            stack = _compose_stack(args, configs)
+            print(f"starting the services of {args.compose} ...", flush=True)
+        else:
+            model = configs[ModelConfig].resolved()
+            config = PagedServeConfig(model, configs[CacheConfig], configs[SchedulerConfig], configs[ServingConfig])
+            stack = Stack(config)
+            print(f"starting pagedserve ({model.model} on {model.device}, {model.dtype}) ...", flush=True)
+    except (ValueError, OSError) as error:
+        args.parser.error(str(error))
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
-    print(f"starting pagedserve ({model.model} on {model.device}, {model.dtype}) ...", flush=True)
     # What the supervisor does (a service died, restarted, given up on) is news for whoever runs this.
     supervisor_log = logging.getLogger("pagedserve.entrypoints.supervisor")
     handler = logging.StreamHandler(sys.stdout)
@@ -46,12 +82,17 @@ def _up(args: argparse.Namespace) -> int:
     supervisor_log.addHandler(handler)
     supervisor_log.setLevel(logging.INFO)
     supervisor_log.propagate = False
-    with Stack(config) as stack:
-        print(f"pagedserve is serving the Generate API on {stack.address} (Ctrl-C stops it)", flush=True)
-        address = "" if stack.address == DEFAULT_ADDRESS else f" --address {stack.address}"
-        print(f'try: pagedserve generate{address} --chat --temperature 0 "What is the capital of France?"', flush=True)
-        if stack.http_url:
-            print(f"and the OpenAI-compatible HTTP API on {stack.http_url}/v1", flush=True)
+    with stack:
+        print("every process, and where it listens:", *stack.listing(), sep="\n  ", flush=True)
+        if not args.compose:
+            print(f"pagedserve is serving the Generate API on {stack.address} (Ctrl-C stops it)", flush=True)
+            address = "" if stack.address == DEFAULT_ADDRESS else f" --address {stack.address}"
+            print(f'try: pagedserve generate{address} --chat --temperature 0 "What is the capital of France?"',
+                  flush=True)
+            if stack.http_url:
+                print(f"and the OpenAI-compatible HTTP API on {stack.http_url}/v1", flush=True)
+        else:
+            print("pagedserve is serving (Ctrl-C stops it)", flush=True)
         while not stopping.wait(0.5):
             if stack.supervisor.gave_up.is_set():
                 print("stopping every service ...", flush=True)
@@ -100,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
 
     up = commands.add_parser("up", help="start frontend, scheduler, KV-cache and executor services")
     add_arguments(up, UP_SECTIONS)
+    compose = up.add_argument_group("compose", "run the services of a compose file as local processes instead")
+    compose.add_argument("--compose", metavar="FILE", help="a compose file (docker-compose.yml)")
+    compose.add_argument("--scale", metavar="SERVICE=N", type=_scale, action="append",
+                         help="replicas of a compose service (repeatable)")
+    compose.add_argument("--profile", action="append",
+                         help="a compose profile to enable, e.g. cpu (repeatable; default: $COMPOSE_PROFILES)")
     up.set_defaults(handler=_up, parser=up)
 
     generate = commands.add_parser("generate", help="stream a completion from a running server")

@@ -44,6 +44,9 @@ class GenerationResult:
     finish_reason: str | None = None
     logprobs: list[SampledToken] | None = None
     usage: Usage | None = None
+    index: int = 0  # which of the prompt's n choices (SamplingParams.n)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it has no logprob).
+    prompt_logprobs: list[SampledToken | None] | None = None
 
 
 class LLM:
@@ -91,8 +94,11 @@ class LLM:
     ) -> list[GenerationResult]:
         """Generates for every prompt (text, or a list of token ids) as one continuous batch.
 
-        Returns one result per prompt, in input order. Requests with different ``cache_salt`` values never
-        share prefix-cache blocks. priority: one per prompt, lower first (with scheduling_policy="priority").
+        Returns one result per prompt and choice: the prompts in input order, each with its n choices
+        (SamplingParams.n) in index order. A prompt's choices share its prefill: the first one goes alone,
+        the others are added once it has sampled, and find its prompt in the prefix cache. Requests with
+        different ``cache_salt`` values never share prefix-cache blocks. priority: one per prompt, lower first
+        (with scheduling_policy="priority").
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -110,26 +116,34 @@ class LLM:
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts")
         results: dict[str, GenerationResult] = {}
         states: dict[str, RequestOutputState] = {}
-        order = []
+        siblings: dict[str, list[Request]] = {}  # choice 0's id -> the other choices, added once it has sampled
+        prompt_choices: list[list[str]] = []
         for prompt, params, request_priority in zip(prompt_list, params_list, priorities):
             token_ids = self._tokenize(prompt)
-            request_id = str(next(self._request_ids))
-            states[request_id] = RequestOutputState(self.tokenizer, token_ids, params)
-            self.scheduler.add_request(
-                Request(request_id, token_ids, params, self.eos_token_ids, self.max_model_len, cache_salt,
-                        priority=request_priority)
-            )
-            results[request_id] = GenerationResult(
-                request_id, token_ids, logprobs=[] if params.logprobs is not None else None
-            )
-            order.append(request_id)
+            choices = []
+            for index in range(params.n):
+                request_id = str(next(self._request_ids))
+                choice = params.for_choice(index)
+                states[request_id] = RequestOutputState(self.tokenizer, token_ids, choice)
+                choices.append(Request(request_id, token_ids, choice, self.eos_token_ids, self.max_model_len,
+                                       cache_salt, priority=request_priority))
+                results[request_id] = GenerationResult(
+                    request_id, token_ids, logprobs=[] if params.logprobs is not None else None, index=index
+                )
+            self.scheduler.add_request(choices[0])
+            siblings[choices[0].request_id] = choices[1:]
+            prompt_choices.append([request.request_id for request in choices])
 
         while self.engine.has_work():
             for output in self.engine.step():
+                for sibling in siblings.pop(output.request_id, []):
+                    self.scheduler.add_request(sibling)
                 result = results[output.request_id]
                 result.token_ids.extend(output.new_token_ids)
                 if output.new_logprobs is not None and result.logprobs is not None:
                     result.logprobs.extend(output.new_logprobs)
+                if output.prompt_logprobs is not None:
+                    result.prompt_logprobs = [None] + output.prompt_logprobs
                 # The same output processing as the Generate API's streams, so the two agree on text.
                 delta = states[output.request_id].update(output.new_token_ids, output.finish_reason)
                 if delta.abort:
@@ -137,7 +151,14 @@ class LLM:
                 result.text += delta.text
                 result.finish_reason = delta.finish_reason
                 result.usage = delta.usage
-        return [results[request_id] for request_id in order]
+        ordered = []
+        for choice_ids in prompt_choices:
+            first = results[choice_ids[0]]
+            for request_id in choice_ids:
+                if first.prompt_logprobs is not None:  # asked of the first choice only; the prompt is theirs too
+                    results[request_id].prompt_logprobs = first.prompt_logprobs
+                ordered.append(results[request_id])
+        return ordered
 
     def chat(
         self,

@@ -2,7 +2,11 @@
 even a clean exit nobody asked for), is started again with the same command line, so on the same address,
 after a backoff that doubles with each rapid failure in a row. After too many rapid failures the
 supervisor gives up on it and says so; stopping stops every process, last started first, and restarts
-nothing from then on."""
+nothing from then on.
+
+Processes start in stages: those of a stage together (replicas of one service), each stage once every
+process of the one before serves; they stop stage by stage the other way round, a stage's processes
+together, so that replicas drain at the same time rather than one after another."""
 from __future__ import annotations
 
 import logging
@@ -56,6 +60,7 @@ class Supervisor:
         self.wait_ready = wait_ready
         self.policy = policy
         self.processes: dict[str, subprocess.Popen] = {}
+        self.stages: list[list[str]] = []
         self.restarts: dict[str, int] = {}
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -63,15 +68,19 @@ class Supervisor:
         self.failure: str | None = None
         self.threads: list[threading.Thread] = []
 
-    def start(self, names: list[str]) -> None:
-        """Starts each process in turn, each serving before the next starts, then supervises them all."""
+    def start(self, stages: list[list[str]]) -> None:
+        """Starts each stage's processes, all of them serving before the next stage starts, then supervises
+        them all."""
         try:
-            for name in names:
-                self.wait_ready(name, self._spawn(name), self.stopping)
+            for stage in stages:
+                self.stages.append(stage)
+                started = [(name, self._spawn(name)) for name in stage]
+                for name, process in started:
+                    self.wait_ready(name, process, self.stopping)
         except BaseException:
             self.stop()
             raise
-        for name in names:
+        for name in (name for stage in stages for name in stage):
             thread = threading.Thread(target=self._supervise, args=(name,), name=f"supervise-{name}", daemon=True)
             thread.start()
             self.threads.append(thread)
@@ -119,22 +128,29 @@ class Supervisor:
             self.restarts[name] = self.restarts.get(name, 0) + 1
             logger.warning("%s restarted (pid %d) and serving again", name, process.pid)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """No more restarts; then each process gets SIGTERM and is waited for, last started first, so that no
-        service is left calling one that has already stopped."""
+    def stop(self, timeout: float = 10.0, timeouts: dict[str, float] | None = None) -> None:
+        """No more restarts; then the processes of each stage get SIGTERM together and are waited for, up to
+        timeout seconds (or timeouts[name]), last stage first, so that no service is left calling one that
+        has already stopped."""
         with self.lock:
             self.stopping.set()
         for thread in self.threads:
             thread.join()
         self.threads.clear()
-        for name, process in reversed(list(self.processes.items())):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in time; killing it", name)
-                _kill(process)
+        for stage in reversed(self.stages):
+            processes = [(name, self.processes[name]) for name in stage if name in self.processes]
+            for _name, process in processes:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            waits = [(timeouts or {}).get(name, timeout) for name, _process in processes]
+            deadline = time.monotonic() + max(waits, default=0.0)
+            for name, process in processes:
+                try:
+                    process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in time; killing it", name)
+                    _kill(process)
+        self.stages.clear()
         self.processes.clear()
 
 

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -14,15 +14,17 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
     FINISH_REASON_OVERLOADED: _ClassVar[FinishReason]
+    FINISH_REASON_UNAVAILABLE: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_OVERLOADED: FinishReason
+FINISH_REASON_UNAVAILABLE: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "stop", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "json_object", "n")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "stop", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "json_object", "n", "prompt_logprobs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +52,7 @@ class SamplingParams(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -70,7 +73,8 @@ class SamplingParams(_message.Message):
     json_schema: str
     json_object: bool
     n: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: bool = ..., include_stop_str_in_output: bool = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: bool = ..., n: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: bool = ..., include_stop_str_in_output: bool = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., json_object: bool = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -84,10 +88,20 @@ class TokenLogprob(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class PromptLogprobs(_message.Message):
+    __slots__ = ("start_position", "tokens")
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    start_position: int
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, start_position: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
 class BlockTransfer(_message.Message):
-    __slots__ = ("block_id", "block_hash")
+    __slots__ = ("block_id", "block_hash", "num_tokens")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     block_id: int
     block_hash: bytes
-    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+    num_tokens: int
+    def __init__(self, block_id: _Optional[int] = ..., block_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ExecuteRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "start_position", "new_block_ids", "sample", "sampling", "prompt_len", "load_blocks", "prefix_token_ids", "feed_sampled")
+    __slots__ = ("request_id", "token_ids", "start_position", "new_block_ids", "sample", "sampling", "prompt_len", "load_blocks", "prefix_token_ids", "feed_sampled", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class ExecuteRequest(_message.Message):
     LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FEED_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
@@ -28,7 +29,8 @@ class ExecuteRequest(_message.Message):
     load_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
     feed_sampled: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., feed_sampled: bool = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: bool = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ..., load_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., feed_sampled: bool = ..., prompt_logprobs: bool = ...) -> None: ...
 
 class DecodeRows(_message.Message):
     __slots__ = ("request_ids", "positions", "token_ids", "block_rows", "block_ids")
@@ -45,7 +47,7 @@ class DecodeRows(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_rows: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ExecuteStep(_message.Message):
-    __slots__ = ("requests", "decodes", "finished_request_ids", "save_blocks", "save_blocks_after", "executor_epoch", "scheduler_id", "step_id")
+    __slots__ = ("requests", "decodes", "finished_request_ids", "save_blocks", "save_blocks_after", "executor_epoch", "scheduler_id", "step_id", "swap_out", "swap_free")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DECODES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,8 @@ class ExecuteStep(_message.Message):
     EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FREE_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[ExecuteRequest]
     decodes: DecodeRows
     finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -62,10 +66,12 @@ class ExecuteStep(_message.Message):
     executor_epoch: str
     scheduler_id: str
     step_id: int
-    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., decodes: _Optional[_Union[DecodeRows, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., save_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., save_blocks_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., executor_epoch: _Optional[str] = ..., scheduler_id: _Optional[str] = ..., step_id: _Optional[int] = ...) -> None: ...
+    swap_out: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    swap_free: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, requests: _Optional[_Iterable[_Union[ExecuteRequest, _Mapping]]] = ..., decodes: _Optional[_Union[DecodeRows, _Mapping]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., save_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., save_blocks_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., executor_epoch: _Optional[str] = ..., scheduler_id: _Optional[str] = ..., step_id: _Optional[int] = ..., swap_out: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., swap_free: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ExecuteResult(_message.Message):
-    __slots__ = ("sampled_request_ids", "sampled_token_ids", "sampled_logprobs", "num_prefill_tokens", "num_decode_tokens", "num_loaded_blocks", "num_failed_loads", "rejected", "step_id", "error")
+    __slots__ = ("sampled_request_ids", "sampled_token_ids", "sampled_logprobs", "num_prefill_tokens", "num_decode_tokens", "num_loaded_blocks", "num_failed_loads", "rejected", "step_id", "error", "prompt_logprobs", "deferred")
     class SampledLogprobsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +86,13 @@ class ExecuteResult(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class PromptLogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.PromptLogprobs
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
     SAMPLED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +103,8 @@ class ExecuteResult(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DEFERRED_FIELD_NUMBER: _ClassVar[int]
     sampled_request_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampled_logprobs: _containers.MessageMap[str, _common_pb2.TokenLogprob]
@@ -100,7 +115,9 @@ class ExecuteResult(_message.Message):
     rejected: _containers.ScalarMap[str, str]
     step_id: int
     error: StepError
-    def __init__(self, sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., rejected: _Optional[_Mapping[str, str]] = ..., step_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.MessageMap[str, _common_pb2.PromptLogprobs]
+    deferred: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Mapping[str, _common_pb2.TokenLogprob]] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., rejected: _Optional[_Mapping[str, str]] = ..., step_id: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., prompt_logprobs: _Optional[_Mapping[str, _common_pb2.PromptLogprobs]] = ..., deferred: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -115,7 +132,7 @@ class ExecutorInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id", "block_bytes", "epoch")
+    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id", "block_bytes", "epoch", "swap_capacity_blocks", "prefill_tokens_per_s", "copy_bytes_per_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +156,9 @@ class ExecutorInfo(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SWAP_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    COPY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_dir: str
     num_blocks: int
@@ -162,4 +182,7 @@ class ExecutorInfo(_message.Message):
     model_id: str
     block_bytes: int
     epoch: str
-    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., epoch: _Optional[str] = ...) -> None: ...
+    swap_capacity_blocks: int
+    prefill_tokens_per_s: float
+    copy_bytes_per_s: float
+    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., epoch: _Optional[str] = ..., swap_capacity_blocks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., copy_bytes_per_s: _Optional[float] = ...) -> None: ...

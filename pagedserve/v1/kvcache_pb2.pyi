@@ -65,7 +65,7 @@ class BlockDelta(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., tier_loads: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class BlockStepResult(_message.Message):
-    __slots__ = ("deltas", "preempted_request_ids", "saves_before", "saves_after")
+    __slots__ = ("deltas", "preempted_request_ids", "saves_before", "saves_after", "swap_out", "swap_free")
     class DeltasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -77,18 +77,22 @@ class BlockStepResult(_message.Message):
     PREEMPTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SAVES_BEFORE_FIELD_NUMBER: _ClassVar[int]
     SAVES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_FREE_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.MessageMap[str, BlockDelta]
     preempted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     saves_before: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     saves_after: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
-    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., saves_before: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., saves_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
+    swap_out: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
+    swap_free: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., saves_before: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., saves_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., swap_free: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class KVCacheStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class KVCacheStats(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors", "bytes_moved", "num_preemptions")
+    __slots__ = ("num_blocks", "block_size", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests", "usage", "num_step_calls", "prefix_cache_queries", "prefix_cache_hits", "evictions", "tier_hits", "blocks_saved", "tier_errors", "bytes_moved", "num_preemptions", "num_swaps", "blocks_swapped_out", "blocks_swapped_in", "swap_blocks_in_use")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +109,10 @@ class KVCacheStats(_message.Message):
     TIER_ERRORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SWAPPED_OUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SWAPPED_IN_FIELD_NUMBER: _ClassVar[int]
+    SWAP_BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     num_free_blocks: int
@@ -121,4 +129,8 @@ class KVCacheStats(_message.Message):
     tier_errors: int
     bytes_moved: int
     num_preemptions: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    num_swaps: int
+    blocks_swapped_out: int
+    blocks_swapped_in: int
+    swap_blocks_in_use: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_in_use: _Optional[int] = ..., num_cached_evictable: _Optional[int] = ..., num_requests: _Optional[int] = ..., usage: _Optional[float] = ..., num_step_calls: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., tier_hits: _Optional[int] = ..., blocks_saved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_swaps: _Optional[int] = ..., blocks_swapped_out: _Optional[int] = ..., blocks_swapped_in: _Optional[int] = ..., swap_blocks_in_use: _Optional[int] = ...) -> None: ...

@@ -37,7 +37,7 @@ class SchedulerRequest(_message.Message):
     def __init__(self, add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_output_tokens", "error")
+    __slots__ = ("request_id", "new_token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_output_tokens", "error", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class RequestOutput(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
@@ -52,7 +53,8 @@ class RequestOutput(_message.Message):
     num_prompt_tokens: int
     num_output_tokens: int
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SchedulerUpdate(_message.Message):
     __slots__ = ("outputs",)

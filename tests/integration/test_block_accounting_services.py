@@ -1,7 +1,7 @@
 """Block accounting through the real services: shared prefixes, several salts and cancels on a pool a
 quarter of what the load needs, driven through the public gRPC API. Outputs equal an unconstrained
-in-process run, preemptions happen and are counted alike by the scheduler and the KV-cache service, and
-every block comes back."""
+in-process run, preemptions (by swap) happen and are counted alike by the scheduler and the KV-cache
+service, and every block and every swapped copy comes back."""
 from __future__ import annotations
 
 import random
@@ -43,6 +43,7 @@ def test_quarter_pool_with_shared_prefixes_salts_and_cancels(tiny_model_with_tok
     config = PagedServeConfig.from_kwargs(
         model=str(tiny_model_with_tokenizer), device="cpu", dtype="float32", port=0, log_level="WARNING",
         kv_cache_memory=(needed_blocks // 4) * bytes_per_block, max_num_batched_tokens=128,
+        preemption_mode="swap",
     )
     cancelled = {5, 13}
     results: dict[int, tuple[list[int], list[float], str | None]] = {}
@@ -93,5 +94,7 @@ def test_quarter_pool_with_shared_prefixes_salts_and_cancels(tiny_model_with_tok
         assert logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4), f"request {i}"
     assert pool.num_preemptions > 0, "the quarter pool never ran short: the test shows nothing"
     assert scheduler.num_preemptions == pool.num_preemptions
+    # Preempted by swap through the services: copied out, loaded back, and nothing left in host memory.
+    assert pool.num_swaps == pool.num_preemptions and pool.blocks_swapped_in > 0 and pool.swap_blocks_in_use == 0
     assert pool.prefix_cache_hits > 0
     assert (pool.num_requests, pool.num_in_use, pool.num_free_blocks) == (0, 0, pool.num_blocks)

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 
+import jsonschema
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from scheduler_svc.request import Request
 
 CHAT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -81,6 +84,168 @@ def test_logprobs_are_the_models_own(smollm2):
         assert entry.logprob == pytest.approx(row[token_id].item(), abs=1e-4)
         assert entry.top_token_ids[0] == token_id  # greedy picks the top token
         assert entry.top_logprobs == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_chunked(smollm2):
+    """The default model with a pool of 12 blocks, computing prompts 16 tokens a step: preemptions and chunked
+    prefills."""
+    return LLM("default", device="cpu", dtype="float32", kv_cache_memory=12 * smollm2.runner.block_bytes,
+               long_prefill_token_threshold=16)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2.runner.model_dir, dtype=torch.float32).eval()
+
+
+def test_prompt_logprobs_equal_transformers_log_softmax_across_prefill_chunks(smollm2, smollm2_chunked, hf_smollm2):
+    prompt = "The quick brown fox jumps over the lazy dog, and then it runs far away into the green forest."
+    [result] = smollm2.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    ids = result.prompt_token_ids
+    with torch.no_grad():
+        expected = hf_smollm2(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert len(ids) > 16 and len(result.prompt_logprobs) == len(ids) and result.prompt_logprobs[0] is None
+    for position, entry in enumerate(result.prompt_logprobs[1:], start=1):
+        row = expected[position - 1]  # the logits after position - 1 predict the token at position
+        assert entry.token_id == ids[position]
+        assert entry.logprob == pytest.approx(row[ids[position]].item(), abs=1e-4)
+        assert entry.top_logprobs == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+    # In chunks of 16 prompt tokens, each chunk's first token is scored by the row the previous one ended on.
+    [chunked] = smollm2_chunked.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    assert [e.token_id for e in chunked.prompt_logprobs[1:]] == ids[1:]
+    assert [e.logprob for e in chunked.prompt_logprobs[1:]] == pytest.approx(
+        [e.logprob for e in result.prompt_logprobs[1:]], abs=1e-4)
+
+
+def test_n_choices_share_the_prompts_prefill_and_are_reproducible_with_a_seed(smollm2):
+    prompt = "Write one sentence about the sea. " * 4
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=10, ignore_eos=True)
+    hits_before = smollm2.block_manager.prefix_hits
+    results = smollm2.generate([prompt, "Name a color:"], params, cache_salt="n-choices")
+    assert [(r.prompt_token_ids == results[0].prompt_token_ids, r.index) for r in results[:3]] == \
+        [(True, 0), (True, 1), (True, 2)]
+    assert [r.index for r in results[3:]] == [0, 1, 2]
+    assert all(len(r.token_ids) == 10 for r in results)
+    assert len({r.text for r in results[:3]}) == 3, "seeded choices are seeded apart"
+    # The two siblings found every full block of the first choice's prompt cached (its salt is new).
+    shared = (len(results[0].prompt_token_ids) - 1) // 16 * 16
+    assert smollm2.block_manager.prefix_hits - hits_before >= 2 * shared > 0
+    again = smollm2.generate([prompt, "Name a color:"], params, cache_salt="n-choices")
+    assert [r.token_ids for r in again] == [r.token_ids for r in results]
+    # Choice i of n is the request that choice would be alone: n=1 with the seed i after it.
+    [third] = smollm2.generate(prompt, SamplingParams(seed=13, temperature=1.0, max_tokens=10, ignore_eos=True))
+    assert third.token_ids == results[2].token_ids
+
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _json_chat(llm: LLM, text: str) -> list[int]:
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+
+
+def test_preempted_structured_and_penalised_requests_recompute_to_the_same_output(smollm2, smollm2_chunked,
+                                                                                  monkeypatch):
+    small = smollm2_chunked
+    # Last in, first preempted.
+    prompts = [_json_chat(smollm2, "List some fruits, again and again."),
+               _json_chat(smollm2, "Describe a person as JSON with a name and an age.")]
+    params = [SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.3, frequency_penalty=0.5,
+                             presence_penalty=0.3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=48, json_schema=json.dumps(PERSON_SCHEMA))]
+    fillers = [f"Count from {i} to {i + 40}:" for i in range(4)]
+    filler_params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    all_prompts, all_params = fillers + prompts, [filler_params] * 4 + params
+    reference = smollm2.generate(all_prompts, all_params)
+
+    preempted = []
+    preempt = small.scheduler._preempt
+    monkeypatch.setattr(small.scheduler, "_preempt", lambda request: (preempted.append(request.request_id),
+                                                                       preempt(request)))
+    constrained = small.generate(all_prompts, all_params)
+    penalised, structured = constrained[4:]
+    assert small.scheduler.num_preemptions > 0
+    assert {structured.request_id, penalised.request_id} <= set(preempted), "both must have been recomputed"
+    assert [r.token_ids for r in constrained] == [r.token_ids for r in reference]
+    jsonschema.validate(json.loads(structured.text), PERSON_SCHEMA)
+    assert structured.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("cache_salt", [None, "nothing-cached"])
+def test_grammar_and_penalties_are_rebuilt_from_a_prefix_that_holds_outputs(smollm2, monkeypatch, cache_salt):
+    """A request re-admitted with outputs (after a preemption, or a scheduler restart): from its cached prefix
+    (prefix_token_ids carry the outputs to the executor), or computing them all, it goes on as it would have."""
+    prompt = _json_chat(smollm2, "Describe a person as JSON with a name and an age.")
+    params = SamplingParams(temperature=0, max_tokens=40, json_schema=json.dumps(PERSON_SCHEMA),
+                            repetition_penalty=1.2, frequency_penalty=0.4)
+    [whole] = smollm2.generate([prompt], params)  # its blocks, outputs included, are now cached (unsalted)
+    half = len(whole.token_ids) // 2
+    admissions = []
+    new_state = smollm2.runner._new_state
+    monkeypatch.setattr(smollm2.runner, "_new_state", lambda req: (admissions.append(req), new_state(req))[1])
+    request = Request("resumed", prompt, params, smollm2.eos_token_ids, smollm2.max_model_len, cache_salt,
+                      output_token_ids=whole.token_ids[:half])
+    smollm2.scheduler.add_request(request)
+    while smollm2.scheduler.has_unfinished_requests():
+        smollm2.scheduler.step(smollm2.runner.execute)
+    assert request.output_token_ids == whole.token_ids
+    jsonschema.validate(json.loads(smollm2.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)),
+                        PERSON_SCHEMA)
+    [admitted] = admissions
+    if cache_salt is None:
+        assert len(admitted.prefix_token_ids) > len(prompt), "the cached prefix reaches into the outputs"
+    else:
+        assert admitted.prefix_token_ids == [] and admitted.start_position == 0
+
+
+def test_a_compiling_grammar_holds_up_no_other_request(smollm2, monkeypatch):
+    """The executor compiles a grammar on a thread of its own; until it is ready, its request is not sampled
+    (its last token is computed again, and counted once) while the others go on. Its output is what it would
+    have been."""
+    prompt = _json_chat(smollm2, "Describe a person as JSON with a name and an age.")
+
+    def params(title: str) -> SamplingParams:  # the title changes the schema's text, not its grammar
+        return SamplingParams(temperature=0, max_tokens=40, json_schema=json.dumps({**PERSON_SCHEMA, "title": title}),
+                              repetition_penalty=1.2, frequency_penalty=0.5)
+
+    [whole] = smollm2.generate([prompt], params("compiled at once"))  # alone in its steps: never deferred
+    release = threading.Event()
+    structured_output = smollm2.runner.structured_output
+    compile_grammar = structured_output._compile
+    monkeypatch.setattr(structured_output, "_compile", lambda source: (release.wait(120), compile_grammar(source))[1])
+    scheduler = smollm2.scheduler
+    recomputed = scheduler.num_recomputed_tokens
+    plain_params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    scheduler.add_request(Request("plain", smollm2.tokenizer.encode("Once upon a time"), plain_params,
+                                  smollm2.eos_token_ids, smollm2.max_model_len))
+    # Resumed (as after a preemption) after an output token that comes again: computed again at each deferral,
+    # it must still be counted once, or its frequency penalty would change what follows.
+    tokens = whole.token_ids
+    half = next(k for k in range(1, len(tokens)) if tokens[k - 1] in tokens[k:])
+    structured = Request("structured", prompt, params("compiled while others run"), smollm2.eos_token_ids,
+                         smollm2.max_model_len, output_token_ids=whole.token_ids[:half])
+    scheduler.add_request(structured)
+    plain_tokens = []
+    while len(plain_tokens) < 6:
+        for output in scheduler.step(smollm2.runner.execute):
+            assert output.request_id == "plain", "the structured request cannot be sampled before its grammar"
+            plain_tokens += output.new_token_ids
+    assert scheduler.num_recomputed_tokens - recomputed >= 5, "deferred at every step the other one ran"
+    release.set()  # alone in the step now, the structured request waits for its grammar
+    while scheduler.has_unfinished_requests():
+        scheduler.step(smollm2.runner.execute)
+    assert structured.output_token_ids == whole.token_ids
+    jsonschema.validate(json.loads(whole.text), PERSON_SCHEMA)
+    assert plain_tokens == smollm2.generate("Once upon a time", plain_params)[0].token_ids
 
 
 # ----------------------------------------------------------------------------- tiny random model

@@ -7,7 +7,7 @@ import pytest
 import trustme
 
 from pagedserve.client import GenerateClient, build_request
-from pagedserve.config import PagedServeConfig
+from pagedserve.config import PagedServeConfig, model_name
 from pagedserve.entrypoints.launcher import Stack
 from pagedserve.service import INTERNAL_TOKEN_ENV, Security, Service, channel, client_channel
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc
@@ -107,8 +107,8 @@ def test_the_http_api_serves_tls_and_requires_the_api_key_but_health_stays_open(
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert https.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}).status_code == 401
         client = openai.OpenAI(base_url=f"{https.base_url}/v1", api_key=API_KEY, http_client=https, max_retries=0)
-        completion = client.completions.create(model=stack.config.model_config.model, prompt=[1, 2, 3], max_tokens=2,
-                                               temperature=0)
+        completion = client.completions.create(model=model_name(stack.config.model_config.model), prompt=[1, 2, 3],
+                                               max_tokens=2, temperature=0)
         assert completion.usage.completion_tokens == 2
     with pytest.raises(httpx.TransportError):  # no plain HTTP beside TLS
         httpx.get(f"{stack.http_url}/health", timeout=5)
@@ -159,8 +159,12 @@ def test_services_listen_on_the_loopback_by_default():
 def test_compose_publishes_only_the_frontend_and_only_on_the_loopback():
     from pathlib import Path
 
-    import yaml
+    from pagedserve.entrypoints.compose import load, parse_ports
 
-    compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())
-    published = {name: service.get("ports") for name, service in compose["services"].items() if service.get("ports")}
-    assert published == {"frontend": ["127.0.0.1:50051:50051"]}
+    compose = load(Path(__file__).resolve().parents[2] / "docker-compose.yml", {"PAGEDSERVE_REDIS_PASSWORD": "x"})
+    published = {name: parse_ports(service["ports"]) for name, service in compose["services"].items()
+                 if service.get("ports")}
+    assert list(published) == ["frontend"]
+    # gRPC and HTTP, a host port per replica, all on the loopback.
+    assert [(p.host_ip, p.first, p.container) for p in published["frontend"]] == [
+        ("127.0.0.1", 50051, 50051), ("127.0.0.1", 8000, 8000)]

@@ -39,15 +39,6 @@ def client(stack):
         yield c
 
 
-@pytest.fixture(scope="module")
-def hf_model(stack):
-    from transformers import AutoModelForCausalLM
-
-    from executor_svc.model_loader import resolve_model_dir
-
-    return AutoModelForCausalLM.from_pretrained(resolve_model_dir("default"), dtype=torch.float32).eval()
-
-
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)

@@ -8,11 +8,11 @@ from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.conftest import write_tiny_model
 
 
-def write_tiny_model_with_tokenizer(path):
+def write_tiny_model_with_tokenizer(path, **config_overrides):
     """A tiny random Llama whose ids all decode with the default model's tokenizer (the frontend needs one)."""
     from executor_svc.model_loader import resolve_model_dir
 
-    write_tiny_model("llama", path)
+    write_tiny_model("llama", path, **config_overrides)
     for source in resolve_model_dir("default").iterdir():
         if source.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(source, path / source.name)

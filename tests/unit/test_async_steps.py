@@ -271,3 +271,35 @@ def test_a_request_preempted_while_its_step_is_out_keeps_that_steps_token():
     assert engines[True].scheduler.num_preemptions > 0
     assert engines[True].outputs == engines[False].outputs
     assert all(len(tokens) == 16 for tokens in engines[True].outputs.values())
+
+
+def test_a_structured_request_is_not_planned_on_while_its_sample_may_be_deferred(async_scheduling):
+    """The executor may defer a structured request's sample (its grammar still compiling): then its last token
+    is computed again, so a step planned on the pending token would be wrong. None is; outputs are unchanged."""
+    def load(engine: Engine) -> None:
+        engine.add("s", [5, 6, 7, 8, 9], json_object=True, ignore_eos=True, max_tokens=6)
+        engine.add("r", [1, 2, 3], ignore_eos=True, max_tokens=6)
+
+    reference = Engine(async_scheduling)
+    load(reference)
+    reference.run()
+    deferrals = {"s": 3}
+
+    def deferring(step: ExecuteStep):
+        result = engine.executor(step)
+        for req in step.requests:
+            if req.request_id in result.sampled and deferrals.get(req.request_id):
+                deferrals[req.request_id] -= 1
+                del result.sampled[req.request_id]
+                result.deferred.append(req.request_id)
+                engine.executor.progress[req.request_id] -= 1  # the executor keeps nothing of a deferred token
+        return result
+
+    engine = Engine(async_scheduling, submit=lambda step: CompletedCall(deferring, step))
+    load(engine)
+    engine.run()
+    engine.assert_every_block_back()
+    assert deferrals == {"s": 0} and engine.outputs == reference.outputs
+    assert not any(r.feed_sampled for step in engine.executor.steps for r in step.requests if r.request_id == "s")
+    if async_scheduling:
+        assert any(r.feed_sampled for step in engine.executor.steps for r in step.requests if r.request_id == "r")

@@ -28,16 +28,16 @@ CHANGED = PagedServeConfig(
                 benchmark_sleep_ms=2.5),
     CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
                 offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True,
-                redis_namespace="tenant-7"),
+                redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77),
     SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False, max_waiting=3,
                     scheduling_policy="priority", long_prefill_token_threshold=64, max_num_partial_prefills=2,
                     async_scheduling=False),
     ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",
                   startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2,
-                  http_address="0.0.0.0:8080", served_model_name="my-model",
+                  http_address="0.0.0.0:8080", served_model_name=("my-model", "alias"),
                   max_message_bytes=1 << 20, max_prompt_chars=999,
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
-                  internal_token_file=A_FILE),
+                  internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2),
 )
 
 
@@ -116,19 +116,46 @@ def test_every_option_reaches_a_service_or_the_launcher():
 def test_the_launchers_argv_parses_with_each_services_parser():
     from pagedserve.entrypoints.launcher import SERVICES as LAUNCHED, Stack
 
-    stack = Stack(CHANGED)
+    # One executor: this build's scheduler and KV-cache service drive one (see the next test).
+    changed = dataclasses.replace(CHANGED, serving_config=dataclasses.replace(CHANGED.serving_config, executors=1))
+    stack = Stack(changed)
     assert list(LAUNCHED.values()) == SERVICES
     for name, service in LAUNCHED.items():
         host, port = stack.addresses[name].rsplit(":", 1)
         # Only the public API listens where it is told; the internal services stay on the loopback.
         assert host == ("0.0.0.0" if name == "frontend" else "127.0.0.1"), name
         serving = dataclasses.replace(
-            CHANGED.serving_config, host=host, port=int(port),
+            changed.serving_config, host=host, port=int(port),
             executor=stack.executor_address, kvcache=stack.kvcache_address, scheduler=stack.scheduler_address,
         )
-        expected = _expected(dataclasses.replace(CHANGED, serving_config=serving), service.SECTIONS)
+        expected = _expected(dataclasses.replace(changed, serving_config=serving), service.SECTIONS)
         assert service.parse_args(stack.service_argv(name)) == expected, name
     assert stack.address == "0.0.0.0:1234"
+
+
+def test_frontend_k_listens_on_the_public_and_http_ports_plus_k():
+    from pagedserve.entrypoints.launcher import Stack
+
+    stack = Stack(PagedServeConfig.from_kwargs(port=7100, http_address="127.0.0.1:7200", frontends=3))
+    assert stack.stages[-1] == ["frontend", "frontend-1", "frontend-2"]
+    for k, name in enumerate(stack.stages[-1]):
+        argv = stack.service_argv(name)
+        assert argv[argv.index("--port") + 1] == str(7100 + k)
+        assert argv[argv.index("--http-address") + 1] == f"127.0.0.1:{7200 + k}"
+    assert stack.address == "127.0.0.1:7100" and stack.http_url == "http://127.0.0.1:7200"
+    assert [line.split(":")[0] for line in stack.listing()] == [
+        "executor_svc", "kvcache_svc", "scheduler_svc", "frontend", "frontend-1", "frontend-2"]
+
+
+def test_several_executors_are_refused_until_the_services_drive_them(capsys):
+    from pagedserve.entrypoints.launcher import Stack
+
+    with pytest.raises(ValueError, match="2 executors asked for, but the scheduler and the KV-cache service of "
+                                         "this build drive 1"):
+        Stack(PagedServeConfig.from_kwargs(executors=2))
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--device", "cpu", "--executors", "2"])
+    assert "2 executors asked for" in capsys.readouterr().err
 
 
 def test_pagedserve_up_builds_the_config_from_its_flags(up_config, capsys):
@@ -149,6 +176,9 @@ def test_the_try_hint_names_a_non_default_address(monkeypatch, capsys):
         def __init__(self, config):
             self.address = f"{config.serving_config.host}:{config.serving_config.port or 50051}"
             self.http_url = f"http://{config.serving_config.http_address}" if config.serving_config.http_address else ""
+
+        def listing(self):
+            return [f"frontend: {self.address}"]
 
         def __enter__(self):
             return self

@@ -101,6 +101,10 @@ def test_stats_reports_the_pool():
         "tier_hits": 0,
         "blocks_saved": 0,
         "bytes_moved": 0,
+        "num_swaps": 0,
+        "blocks_swapped_out": 0,
+        "blocks_swapped_in": 0,
+        "swap_blocks_in_use": 0,
         "tier_index_blocks": 0,
         "tier_errors": 0,
     }

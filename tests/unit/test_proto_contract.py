@@ -15,6 +15,8 @@ from pagedserve.step import (
     ExecuteRequest,
     ExecuteResult,
     ExecuteStep,
+    PromptLogprobs,
+    RequestOutput,
     SampledToken,
 )
 
@@ -47,8 +49,9 @@ def test_block_step_round_trip():
     assert convert.block_step_request_from_proto(convert.block_step_request_to_proto(request)) == request
     result = BlockStepResult(
         {"a": [4, 5], "b": [9]}, {"a": 32, "b": 0}, ["c"],
-        tier_loads={"a": [BlockTransfer(4, b"\x01" * 32)]},
+        tier_loads={"a": [BlockTransfer(4, b"\x01" * 32), BlockTransfer(5, b"\x09" * 32, num_tokens=3)]},
         saves_before=[BlockTransfer(7, b"\x02" * 32)], saves_after=[BlockTransfer(5, b"\x03" * 32)],
+        swap_out=[BlockTransfer(6, b"\x07" * 32)], swap_free=[b"\x08" * 32],
     )
     assert convert.block_step_result_from_proto(convert.block_step_result_to_proto(result)) == result
     # A running request served without new blocks needs no delta: it does not travel.
@@ -61,13 +64,14 @@ def test_block_step_round_trip():
 
 def test_execute_step_round_trip():
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3, max_tokens=None,
-                            min_tokens=2, stop_token_ids=[4], ignore_eos=True, logprobs=2)
+                            min_tokens=2, stop_token_ids=[4], ignore_eos=True, logprobs=2, prompt_logprobs=0)
     step = ExecuteStep(
         requests=[
             ExecuteRequest("a", [1, 2, 3], 0, [7], True, params, prompt_len=3,
-                           load_blocks=[BlockTransfer(7, b"\x04" * 32)]),
+                           load_blocks=[BlockTransfer(7, b"\x04" * 32), BlockTransfer(8, b"\x09" * 32, 2)]),
             ExecuteRequest("c", [4, 5], 16, [], False),  # a prefill chunk that does not sample
             ExecuteRequest("g", [6], 31, [], True, feed_sampled=True),  # not a decode: two tokens
+            ExecuteRequest("f", [9], 40, [], True, prompt_logprobs=True),  # not a decode: it asks for more
             # Decodes go as parallel arrays, the sampled token fed in or a known one, new blocks sparse.
             ExecuteRequest("b", [9], 40, [], True),
             ExecuteRequest("d", [], 17, [3, 8], True, feed_sampled=True),
@@ -75,10 +79,10 @@ def test_execute_step_round_trip():
         ],
         finished_request_ids=["x"], executor_epoch="e1", scheduler_id="s1",
         save_blocks=[BlockTransfer(1, b"\x05" * 32)], save_blocks_after=[BlockTransfer(2, b"\x06" * 32)],
-        step_id=12,
+        swap_out=[BlockTransfer(3, b"\x07" * 32)], swap_free=[b"\x08" * 32], step_id=12,
     )
     message = convert.execute_step_to_proto(step)
-    assert [r.request_id for r in message.requests] == ["a", "c", "g"]
+    assert [r.request_id for r in message.requests] == ["a", "c", "g", "f"]
     assert list(message.decodes.request_ids) == ["b", "d", "e"] and list(message.decodes.token_ids) == [9, -1, -1]
     assert list(message.decodes.block_rows) == [1, 1] and list(message.decodes.block_ids) == [3, 8]
     assert convert.execute_step_from_proto(message) == (step, {})
@@ -86,11 +90,13 @@ def test_execute_step_round_trip():
     message = convert.execute_step_to_proto(step)
     message.requests[0].sampling.temperature = -1.0
     back, rejected = convert.execute_step_from_proto(message)
-    assert [r.request_id for r in back.requests] == ["c", "g", "b", "d", "e"] and "temperature" in rejected["a"]
+    assert [r.request_id for r in back.requests] == ["c", "g", "f", "b", "d", "e"] and "temperature" in rejected["a"]
     result = ExecuteResult(
         sampled={"a": SampledToken(5, -0.25, [5, 6], [-0.25, -2.0]), "b": SampledToken(8), "c": SampledToken(1, 0.0, [], [])},
         num_prefill_tokens=3, num_decode_tokens=1, num_loaded_blocks=2, num_failed_loads=1,
         rejected={"d": "token id 10**9 out of range"},
+        prompt_logprobs={"a": PromptLogprobs(1, [SampledToken(2, -1.5, [3], [-0.5]), SampledToken(3, -0.5, [], [])])},
+        deferred=["e"],
     )
     back = convert.execute_result_from_proto(convert.execute_result_to_proto(result))
     assert back == result  # a logprob of exactly 0.0 is kept, not mistaken for "none asked"
@@ -132,6 +138,15 @@ def test_decode_rows_that_do_not_line_up_are_refused_naming_the_field():
         getattr(message.decodes, field)[:] = value
         with pytest.raises(ValueError, match=field):
             convert.execute_step_from_proto(message)
+
+
+def test_request_output_round_trip():
+    from pagedserve.v1 import scheduler_pb2
+
+    output = RequestOutput("a", [5], [SampledToken(5, -0.5, [5], [-0.5])], "length", num_prompt_tokens=3,
+                           num_output_tokens=1, prompt_logprobs=[SampledToken(2, -1.0, [], []), SampledToken(4, -2.0, [], [])])
+    message = convert.request_output_to_proto(output, scheduler_pb2.RequestOutput())
+    assert convert.request_output_from_proto(message) == output
 
 
 def test_default_sampling_fields_take_vllm_defaults():

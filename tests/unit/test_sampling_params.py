@@ -21,7 +21,7 @@ def test_defaults_are_vllms():
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
     ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.5),
     ("seed", 1.5), ("max_tokens", 0), ("min_tokens", -1), ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
-    ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1),
+    ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", 1.0),
     ("stop", "STOP"), ("stop", [""]), ("stop", ["ok", 3]), ("stop", ["s"] * (MAX_STOP_STRINGS + 1)),
     ("include_stop_str_in_output", 1), ("skip_special_tokens", "yes"),
 ])
@@ -39,3 +39,13 @@ def test_min_tokens_cannot_exceed_max_tokens():
 def test_stop_strings_up_to_the_bound_are_kept_as_a_list():
     stop = tuple(f"s{i}" for i in range(MAX_STOP_STRINGS))
     assert SamplingParams(stop=stop).stop == list(stop)
+
+
+def test_each_choice_runs_alone_seeded_apart_and_only_the_first_asks_for_the_prompts_logprobs():
+    params = SamplingParams(n=3, seed=(1 << 63) - 2, prompt_logprobs=2, temperature=0.7)
+    choices = [params.for_choice(i) for i in range(3)]
+    assert [c.n for c in choices] == [1, 1, 1]
+    assert [c.seed for c in choices] == [(1 << 63) - 2, (1 << 63) - 1, 0]  # int64 on the wire: wraps
+    assert [c.prompt_logprobs for c in choices] == [2, None, None]
+    assert all(c.temperature == 0.7 for c in choices)
+    assert SamplingParams(n=2).for_choice(1).seed is None

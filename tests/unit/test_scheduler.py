@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteResult, ExecuteStep, SampledToken
+from pagedserve.step import ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
@@ -301,3 +301,81 @@ def test_max_num_partial_prefills_lets_short_prompts_past_a_second_long_one():
     for step in executor.steps:
         partial = [r for r in step.requests if not r.sample]
         assert len(partial) <= 1
+
+
+def test_a_deferred_request_computes_its_last_token_again_and_then_samples():
+    """The executor defers a request whose grammar is still compiling: the scheduler sends its last token
+    again (the checking executor would fail on a gap or an overlap) and its output is what it would have been."""
+    prompts = random_prompts(3, seed=3)
+    scheduler, block_manager, checking = make_engine(200, block_size=4, max_num_batched_tokens=32)
+    for i, prompt in enumerate(prompts):
+        add(scheduler, f"r{i}", prompt, temperature=0, max_tokens=6, ignore_eos=True)
+    reference = run_to_completion(scheduler, checking, block_manager)
+
+    scheduler, block_manager, checking = make_engine(200, block_size=4, max_num_batched_tokens=32)
+    deferrals = {"r1": 3}  # r1 reaches its sampling position three times before it is sampled
+
+    def deferring(step: ExecuteStep) -> ExecuteResult:
+        result = checking(step)
+        for req in step.requests:
+            if req.request_id in result.sampled and deferrals.get(req.request_id):
+                deferrals[req.request_id] -= 1
+                del result.sampled[req.request_id]
+                result.deferred.append(req.request_id)
+                checking.progress[req.request_id] -= 1  # the executor keeps nothing of a deferred token
+        return result
+
+    for i, prompt in enumerate(prompts):
+        add(scheduler, f"r{i}", prompt, temperature=0, max_tokens=6, ignore_eos=True)
+    assert run_to_completion(scheduler, deferring, block_manager) == reference
+    assert scheduler.num_recomputed_tokens == 3
+    last = len(prompts[1]) - 1
+    resent = [len(r.token_ids) for step in checking.steps for r in step.requests
+              if r.request_id == "r1" and r.start_position == last]
+    assert resent == [1] * 3, "the last prompt token is computed again, alone, until it is sampled"
+
+
+class PromptLogprobsExecutor(CheckingExecutor):
+    """Returns, for a request that asks, the "logprob" -position of every prompt token its step computes past
+    the first (carrying a chunk's last row to the next chunk, as the model runner does)."""
+
+    def __init__(self, *args, prompts: dict[str, list[int]]):
+        super().__init__(*args)
+        self.prompts = prompts
+
+    def __call__(self, step: ExecuteStep) -> ExecuteResult:
+        result = super().__call__(step)
+        for req in step.requests:
+            if req.prompt_logprobs:
+                prompt = self.prompts[req.request_id]
+                start = max(req.start_position, 1)
+                end = min(req.start_position + len(req.token_ids), len(prompt))
+                result.prompt_logprobs[req.request_id] = PromptLogprobs(
+                    start, [SampledToken(prompt[p], -float(p), [], []) for p in range(start, end)])
+        return result
+
+
+def test_prompt_logprobs_come_once_whole_in_order_and_never_from_the_prefix_cache():
+    prompt = list(range(1, 31))
+    block_manager = KVCacheManager(200, 4)
+    scheduler = Scheduler(SchedulerConfig(block_size=4, max_model_len=512, max_num_batched_tokens=8),
+                          block_manager.step)
+    executor = PromptLogprobsExecutor(block_manager, 4, prompts={"warm": prompt, "asks": prompt})
+    add(scheduler, "warm", prompt, temperature=0, max_tokens=2, ignore_eos=True)
+    run_to_completion(scheduler, executor, block_manager)  # the prompt's full blocks are now cached
+
+    add(scheduler, "asks", prompt, temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0)
+    outputs = [o for _ in range(2) for o in scheduler.step(executor)]
+    assert outputs == [] and len(scheduler.requests["asks"].prompt_logprobs) == 15
+    # The next step fails: the request is recomputed from its first token, and what it had is kept.
+    step = scheduler.schedule()
+    scheduler.steps_failed([step], None)
+    sent = []
+    while scheduler.has_unfinished_requests():
+        sent += [o.prompt_logprobs for o in scheduler.step(executor) if o.prompt_logprobs is not None]
+    assert sent == [[SampledToken(prompt[p], -float(p), [], []) for p in range(1, 30)]]
+    admissions = [r.start_position for s in executor.steps for r in s.requests
+                  if r.request_id == "asks" and r.sampling_params is not None]
+    assert admissions == [0, 0], "a cached prefix would leave its prompt logprobs uncomputed"
+    decodes = [r for s in executor.steps for r in s.requests if r.request_id == "asks" and r.start_position >= 30]
+    assert decodes and not any(r.prompt_logprobs for r in decodes), "asked only while some are missing"

@@ -1,13 +1,14 @@
 """A service's health follows its dependencies': NOT_SERVING while one is down or not serving itself, and
-SERVING again once it is back on the same address."""
+SERVING again once it is back on the same address; and while it drains, whatever its dependencies do."""
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.service import Service, channel
+from pagedserve.service import HEALTH_POLL_S, LIVENESS_SERVICE, Service, channel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -102,3 +103,64 @@ def test_a_service_whose_launcher_is_killed_shuts_down_by_itself(tmp_path):
         time.sleep(0.1)
     os.kill(child_pid, signal.SIGKILL)
     raise AssertionError("the service outlived its launcher")
+
+
+def liveness(address: str):
+    with channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE),
+                                                    timeout=1.0).status
+
+
+class Requests:
+    """A drainable with a count of requests in flight."""
+
+    def __init__(self, in_flight: int) -> None:
+        self.in_flight, self.draining = in_flight, False
+
+    def start_draining(self) -> None:
+        self.draining = True
+
+    def idle(self) -> bool:
+        return self.in_flight == 0
+
+
+def test_a_drain_is_not_serving_until_its_requests_finish_and_a_dependency_does_not_undo_it():
+    dependency = Service("executor", "127.0.0.1", 0)
+    dependency.start()
+    service = Service("scheduler", "127.0.0.1", 0, dependencies={"executor": dependency.address})
+    service.start()
+    try:
+        assert status(service.address) == SERVING and liveness(service.address) == SERVING
+        requests = Requests(in_flight=1)
+        done = threading.Event()
+        threading.Thread(target=lambda: done.set() if service.drain(requests, timeout=30) else None).start()
+        assert becomes(service.address, NOT_SERVING) and requests.draining
+        # The dependency going away and coming back must not make a draining service SERVING again.
+        dependency.health.set("", NOT_SERVING)
+        time.sleep(3 * HEALTH_POLL_S)
+        dependency.health.set("", SERVING)
+        time.sleep(3 * HEALTH_POLL_S)
+        assert status(service.address) == NOT_SERVING
+        assert liveness(service.address) == SERVING, "draining is not dying: liveness stays up"
+        assert not done.is_set()
+        requests.in_flight = 0
+        assert done.wait(5)
+    finally:
+        service.stop(grace=0)
+        dependency.stop(grace=0)
+
+
+def test_a_drain_gives_up_at_its_timeout_or_at_a_second_signal():
+    service = Service("frontend", "127.0.0.1", 0)
+    service.start()
+    try:
+        started = time.monotonic()
+        assert service.drain(Requests(in_flight=1), timeout=0.5) is False
+        assert 0.5 <= time.monotonic() - started < 2.0
+        interrupted = threading.Event()
+        interrupted.set()
+        started = time.monotonic()
+        assert service.drain(Requests(in_flight=1), timeout=30, interrupted=interrupted) is False
+        assert time.monotonic() - started < 1.0
+    finally:
+        service.stop(grace=0)

@@ -44,10 +44,12 @@ class FaultyExecutor:
         self.calls += 1
         if step.executor_epoch != str(self.epoch):
             raise ExecutorUnavailable("a step for another instance")
-        if self.fail_next:
-            raise self.fail_next.pop(0)
-        if self.poison & {r.request_id for r in step.requests}:
-            raise StepFailed("INTERNAL: poisoned")
+        if self.fail_next or self.poison & {r.request_id for r in step.requests}:
+            # As the executor does, a failed step leaves none of its requests' state behind: a step sent
+            # after it (void, rolled back with it) finds them unknown rather than running on stale tables.
+            for r in step.requests:
+                self.inner.progress.pop(r.request_id, None)
+            raise self.fail_next.pop(0) if self.fail_next else StepFailed("INTERNAL: poisoned")
         refused = {r.request_id: "refused" for r in step.requests if r.request_id in self.refuse}
         result = self.inner(dataclasses.replace(step, requests=[r for r in step.requests if r.request_id not in refused]))
         result.rejected = refused

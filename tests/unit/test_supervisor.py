@@ -63,7 +63,7 @@ def test_a_killed_process_is_restarted_and_the_restart_logged(tmp_path, caplog):
     children = Children(SLEEPER, tmp_path / "stopped")
     supervisor = Supervisor(children.spawn, children.wait_ready, RestartPolicy(backoff=0.05, max_restarts=3))
     caplog.set_level(logging.WARNING, logger="pagedserve.entrypoints.supervisor")
-    supervisor.start(["a", "b"])
+    supervisor.start([["a"], ["b"]])
     try:
         first = supervisor.processes["b"]
         os.kill(first.pid, signal.SIGKILL)
@@ -81,7 +81,7 @@ def test_rapid_failures_back_off_and_end_in_giving_up(caplog):
     failing = Children("import sys; print('ready', flush=True); sys.exit(3)", "-")
     supervisor = Supervisor(failing.spawn, failing.wait_ready, RestartPolicy(backoff=0.2, max_restarts=2))
     caplog.set_level(logging.WARNING, logger="pagedserve.entrypoints.supervisor")
-    supervisor.start(["flaky"])
+    supervisor.start([["flaky"]])
     try:
         assert supervisor.gave_up.wait(10)
         assert failing.started == ["flaky"] * 3  # the first start and two restarts
@@ -98,7 +98,7 @@ def test_stop_is_last_started_first_and_restarts_nothing(tmp_path):
     stopped = tmp_path / "stopped"
     children = Children(SLEEPER, stopped)
     supervisor = Supervisor(children.spawn, children.wait_ready, RestartPolicy(backoff=0.01, max_restarts=5))
-    supervisor.start(["executor", "kvcache", "scheduler", "frontend"])
+    supervisor.start([["executor"], ["kvcache"], ["scheduler"], ["frontend"]])
     processes = list(supervisor.processes.values())
     supervisor.stop()
     assert stopped.read_text().split() == ["frontend", "scheduler", "kvcache", "executor"]
@@ -112,6 +112,36 @@ def test_a_failed_start_stops_what_was_started(tmp_path):
     children = Children(code, tmp_path / "stopped")
     supervisor = Supervisor(children.spawn, children.wait_ready, RestartPolicy(backoff=0.01, max_restarts=5))
     with pytest.raises(RuntimeError, match="bad exited with status 2"):
-        supervisor.start(["good", "bad", "never"])
+        supervisor.start([["good"], ["bad"], ["never"]])
     assert children.started == ["good", "bad"]
     assert (tmp_path / "stopped").read_text().split() == ["good"]
+
+
+# Writes when SIGTERM came, then takes a second to stop, as a draining service would.
+SLOW_STOPPER = """
+import signal, sys, time
+name, path = sys.argv[1], sys.argv[2]
+def stop(*_):
+    with open(path, "a") as f:
+        f.write(f"{name} {time.monotonic()}\\n")
+    time.sleep(1.0)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_replicas_of_a_stage_stop_together_and_before_the_stage_they_need(tmp_path):
+    stopped = tmp_path / "stopped"
+    children = Children(SLOW_STOPPER, stopped)
+    supervisor = Supervisor(children.spawn, children.wait_ready, RestartPolicy(backoff=0.01, max_restarts=5))
+    supervisor.start([["scheduler"], ["frontend", "frontend-1"]])
+    assert sorted(supervisor.processes) == ["frontend", "frontend-1", "scheduler"]
+    supervisor.stop()
+    signalled = dict(line.split() for line in stopped.read_text().splitlines())
+    assert list(signalled)[-1] == "scheduler"
+    frontends = [float(signalled[name]) for name in ("frontend", "frontend-1")]
+    # Together: one after the other would put a whole second of stopping between them.
+    assert abs(frontends[0] - frontends[1]) < 0.5
+    assert float(signalled["scheduler"]) - max(frontends) >= 0.9

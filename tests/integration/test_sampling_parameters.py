@@ -1,0 +1,451 @@
+"""Every sampling parameter of the public APIs, on both: the official openai client against the HTTP API and
+pagedserve.client against the gRPC API, on one running stack for the module (tests/integration/conftest.py).
+
+PARAMETERS is the table. Each entry checks what its parameter does through an Api: an adapter that takes
+vLLM's parameter names and puts them on its API's wire (HttpApi: OpenAI's fields, vLLM's extensions in the
+body, X-Request-Id as a header, chat for messages; GrpcApi: the SamplingParams fields). The checks compare
+with transformers' float32 reference (greedy text, logprobs, and penalties, bias and min_tokens re-applied to
+its logits), or hold every sampled token against the model's own top logprobs that come back with it (and
+show that sampling without the filter breaks the rule the filter keeps). docs/openai_api.md lists the test
+of each parameter on each API.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import jsonschema
+import pytest
+import torch
+
+from pagedserve.client import build_request
+from pagedserve.convert import FINISH_REASON_NAMES
+from tests.integration.conftest import MODEL
+from tests.support.tiny_stack import kv_stats
+
+PROMPT = "The three primary colors are"
+STORY = "Once upon a time, in a village by the sea,"
+REPEAT = "List of fruits: apple, banana,"  # greedy repeats itself: each penalty changes it
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+JSON_CHAT = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+# ------------------------------------------------------------------------------------------ the two APIs
+
+@dataclass
+class Token:
+    text: str
+    logprob: float | None
+    top: dict[str, float]  # the top logprobs that came with it, by token text
+
+
+@dataclass
+class Choice:
+    text: str
+    finish_reason: str
+    tokens: list[Token] | None  # with logprobs
+
+
+@dataclass
+class Result:
+    choices: list[Choice]  # by index
+    completion_tokens: int  # of every choice together
+    request_id: str
+    prompt: list[Token] | None = None  # the prompt's tokens and logprobs (echo, prompt_logprobs)
+    echo: str | None = None  # the prompt's text, echoed
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.choices[0].finish_reason
+
+    @property
+    def tokens(self) -> list[Token]:
+        return self.choices[0].tokens
+
+
+class Api:
+    """What both adapters share: one unfiltered sampled output, with the model's top-20 logprobs of each token."""
+
+    FREE_SAMPLE = dict(temperature=1.0, seed=1, max_tokens=32, ignore_eos=True, logprobs=20)
+    _free: list[Token] | None = None
+
+    def sampled_freely(self) -> list[Token]:
+        if self._free is None:
+            self._free = self.complete(STORY, **self.FREE_SAMPLE).tokens
+        return self._free
+
+
+class HttpApi(Api):
+    name = "http"
+    echoes_text = True
+    OPENAI_FIELDS = {"temperature", "top_p", "seed", "n", "stop", "max_tokens", "presence_penalty",
+                     "frequency_penalty", "logit_bias"}
+
+    def __init__(self, client, stack) -> None:
+        self.client, self.stack = client, stack
+
+    def complete(self, prompt: str | None = None, messages: list[dict] | None = None, *, logprobs: int | None = None,
+                 echo: bool = False, request_id: str | None = None, json_schema: dict | None = None,
+                 json_object: bool = False, **params) -> Result:
+        kwargs = {name: value for name, value in params.items() if name in self.OPENAI_FIELDS}
+        extra = {name: value for name, value in params.items() if name not in self.OPENAI_FIELDS}
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = {str(token): bias for token, bias in kwargs["logit_bias"].items()}
+        response_format = ({"type": "json_schema", "json_schema": {"name": "output", "schema": json_schema}}
+                           if json_schema is not None else {"type": "json_object"} if json_object else None)
+        headers = {"X-Request-Id": request_id} if request_id else {}
+        if messages is not None:
+            if logprobs is not None:
+                kwargs.update(logprobs=True, top_logprobs=logprobs)
+            if response_format is not None:
+                kwargs["response_format"] = response_format
+            raw = self.client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, extra_body=extra, extra_headers=headers, **kwargs)
+            body = raw.parse()
+            choices = [Choice(c.message.content, c.finish_reason,
+                              [Token(t.token, t.logprob, {e.token: e.logprob for e in t.top_logprobs})
+                               for t in c.logprobs.content] if c.logprobs else None)
+                       for c in sorted(body.choices, key=lambda c: c.index)]
+            return Result(choices, body.usage.completion_tokens, raw.headers["x-request-id"])
+        if response_format is not None:
+            extra["response_format"] = response_format
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
+        raw = self.client.completions.with_raw_response.create(
+            model=MODEL, prompt=prompt, echo=echo, extra_body=extra, extra_headers=headers, **kwargs)
+        body = raw.parse()
+        assert body.id == f"cmpl-{raw.headers['x-request-id']}"
+        result = Result([], body.usage.completion_tokens, raw.headers["x-request-id"])
+        for c in sorted(body.choices, key=lambda c: c.index):
+            text, tokens = c.text, None
+            if c.logprobs is not None:
+                tokens = [Token(*entry[:2], entry[2] or {}) for entry in
+                          zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs)]
+            if echo:
+                assert text.startswith(prompt)
+                result.echo, text = prompt, text[len(prompt):]
+                if tokens is not None:
+                    result.prompt, tokens = tokens[:body.usage.prompt_tokens], tokens[body.usage.prompt_tokens:]
+            result.choices.append(Choice(text, c.finish_reason, tokens))
+        return result
+
+
+class GrpcApi(Api):
+    name = "grpc"
+    echoes_text = False  # the caller has its prompt: prompt_logprobs gives what echo's logprobs give
+
+    def __init__(self, client, tokenizer, stack) -> None:
+        self.client, self.tokenizer, self.stack = client, tokenizer, stack
+
+    def _token(self, entry) -> Token:
+        return Token(self.tokenizer.decode([entry.token_id]), entry.logprob,
+                     {self.tokenizer.decode([i]): lp for i, lp in zip(entry.top_token_ids, entry.top_logprobs)})
+
+    def complete(self, prompt: str | None = None, messages: list[dict] | None = None, *, logprobs: int | None = None,
+                 echo: bool = False, request_id: str | None = None, json_schema: dict | None = None,
+                 json_object: bool = False, cache_salt: str = "", **params) -> Result:
+        if logprobs is not None:
+            params["logprobs"] = logprobs
+            if echo:
+                params["prompt_logprobs"] = logprobs
+        if json_schema is not None:
+            params["json_schema"] = json.dumps(json_schema)
+        request = build_request(prompt, messages=messages, request_id=request_id or "", cache_salt=cache_salt,
+                                json_object=json_object or None, **params)
+        texts, finish, tokens, prompt_tokens, used = {}, {}, {}, None, 0
+        response_id = ""
+        for response in self.client.stream(request, timeout=300):
+            response_id = response.request_id
+            texts[response.index] = texts.get(response.index, "") + response.text
+            tokens.setdefault(response.index, []).extend(self._token(t) for t in response.logprobs)
+            if response.prompt_logprobs:
+                first = self.tokenizer.encode(prompt, add_special_tokens=False)[0]
+                prompt_tokens = [Token(self.tokenizer.decode([first]), None, {})]
+                prompt_tokens += [self._token(t) for t in response.prompt_logprobs]
+            if response.finish_reason:
+                finish[response.index] = FINISH_REASON_NAMES[response.finish_reason]
+                used += response.usage.completion_tokens
+        choices = [Choice(texts[i], finish[i], tokens[i] if logprobs is not None else None) for i in sorted(texts)]
+        return Result(choices, used, response_id, prompt_tokens)
+
+
+@pytest.fixture(scope="module", params=["http", "grpc"])
+def api(request, api_stack, openai_client, grpc_client, tokenizer):
+    return HttpApi(openai_client, api_stack) if request.param == "http" else GrpcApi(grpc_client, tokenizer, api_stack)
+
+
+# ------------------------------------------------------------------------------------------ the reference
+
+class Reference:
+    """The default model in transformers, float32, and its tokenizer, with the server's output rules."""
+
+    def __init__(self, model, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, eos_token_ids
+
+    def ids(self, prompt: str | None = None, messages: list[dict] | None = None) -> tuple[int, ...]:
+        if messages is not None:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tuple(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def text(self, token_ids) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    @functools.cache
+    def log_softmax(self, token_ids: tuple[int, ...]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(torch.tensor([token_ids])).logits[0].float().log_softmax(-1)
+
+    @functools.cache
+    def greedy(self, prompt_ids: tuple[int, ...], max_tokens: int, *, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias: tuple = (),
+               min_tokens: int = 0, ignore_eos: bool = False) -> tuple[int, ...]:
+        """vLLM's rules on transformers' logits: bias, then repetition over prompt and output, frequency and
+        presence over the output; end-of-sequence banned before min_tokens, and ending the output unless
+        ignore_eos."""
+        out: list[int] = []
+        with torch.no_grad():
+            step = self.model(torch.tensor([prompt_ids]), use_cache=True)
+            for _ in range(max_tokens):
+                logits = step.logits[0, -1].float().clone()
+                for token, bias in logit_bias:
+                    logits[token] += bias
+                for token in set(prompt_ids) | set(out):
+                    logits[token] = logits[token] / repetition_penalty if logits[token] > 0 \
+                        else logits[token] * repetition_penalty
+                for token, count in Counter(out).items():
+                    logits[token] -= frequency_penalty * count + presence_penalty
+                if len(out) < min_tokens:
+                    logits[list(self.eos_token_ids)] = -math.inf
+                token = int(logits.argmax())
+                out.append(token)
+                if token in self.eos_token_ids and not ignore_eos:
+                    break
+                step = self.model(torch.tensor([[token]]), cache=step.cache, use_cache=True)
+        return tuple(out)
+
+
+@pytest.fixture(scope="module")
+def ref(hf_model, tokenizer):
+    from executor_svc.model_loader import generation_eos_token_ids, resolve_model_dir
+
+    eos = {hf_model.config.eos_token_id} | set(generation_eos_token_ids(resolve_model_dir("default")))
+    return Reference(hf_model, tokenizer, tuple(sorted(eos)))
+
+
+# ------------------------------------------------------------------------------------------ the checks
+
+def rank(token: Token) -> int:
+    """How many of the listed tokens are more likely than the chosen one."""
+    return sum(lp > token.logprob + 1e-6 for lp in token.top.values())
+
+
+def mass_above(token: Token) -> float:
+    """The probability of the listed tokens more likely than the chosen one."""
+    return sum(math.exp(lp) for lp in token.top.values() if lp > token.logprob)
+
+
+def check_filter(api, ref, kept: Callable[[Token], bool], **params) -> None:
+    """Sampled with the filter (params), every token keeps the rule; sampled without it, some token breaks it:
+    so the rule is the filter's doing. The filter at its tightest leaves the greedy choice alone."""
+    greedy = ref.text(ref.greedy(ref.ids(PROMPT), 8))
+    tightest = {"top_p": 1e-9, "top_k": 1, "min_p": 1.0}
+    assert api.complete(PROMPT, temperature=1.0, seed=1, max_tokens=8,
+                        **{name: tightest[name] for name in params}).text == greedy
+    filtered = api.complete(STORY, **{**Api.FREE_SAMPLE, "max_tokens": 16}, **params).tokens
+    assert all(kept(t) for t in filtered), [(t.text, t.logprob) for t in filtered if not kept(t)]
+    assert not all(kept(t) for t in api.sampled_freely()), "sampling without the filter keeps the rule too"
+
+
+def check_temperature(api, ref):
+    expected = ref.text(ref.greedy(ref.ids(PROMPT), 8))
+    assert api.complete(PROMPT, temperature=0, max_tokens=8).text == expected
+    assert api.complete(PROMPT, temperature=1e-6, max_tokens=8).text == expected  # below vLLM's epsilon: greedy
+    sampled = {api.complete(STORY, temperature=1.5, seed=seed, max_tokens=8).text for seed in range(2)}
+    assert len(sampled) > 1
+
+
+def check_top_p(api, ref):
+    check_filter(api, ref, lambda t: mass_above(t) < 0.5 + 1e-4, top_p=0.5)
+
+
+def check_top_k(api, ref):
+    check_filter(api, ref, lambda t: rank(t) < 3, top_k=3)
+
+
+def check_min_p(api, ref):
+    check_filter(api, ref, lambda t: t.logprob >= max(t.top.values()) + math.log(0.2) - 1e-4, min_p=0.2)
+
+
+def check_seed(api, ref):
+    first = api.complete(STORY, temperature=1.0, seed=7, max_tokens=8)
+    assert api.complete(STORY, temperature=1.0, seed=7, max_tokens=8).text == first.text
+    assert api.complete(STORY, temperature=1.0, seed=8, max_tokens=8).text != first.text
+
+
+def check_n(api, ref):
+    prompt = "Write one sentence about the sea. " * 6  # several full KV blocks
+    hits = kv_stats(api.stack).prefix_cache_hits
+    # A prefix-cache namespace of its own: no earlier hits.
+    params = dict(n=3, seed=5, temperature=1.0, max_tokens=6, ignore_eos=True, cache_salt=f"n-{api.name}")
+    result = api.complete(prompt, **params)
+    texts = [c.text for c in result.choices]
+    assert len(texts) == 3 and len(set(texts)) > 1 and result.completion_tokens == 18
+    # The siblings were admitted on the first choice's blocks: every full block but the one holding the last
+    # prompt token (always computed) was a hit, twice.
+    assert kv_stats(api.stack).prefix_cache_hits - hits == 2 * ((len(ref.ids(prompt)) - 1) // 16 * 16) > 0
+    assert [c.text for c in api.complete(prompt, **params).choices] == texts
+    # Choice i is the request it would be alone, seeded seed + i.
+    assert api.complete(prompt, **{**params, "n": 1, "seed": 7}).text == texts[2]
+
+
+def check_stop(api, ref):
+    full = ref.text(ref.greedy(ref.ids(PROMPT), 16))
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    result = api.complete(PROMPT, temperature=0, max_tokens=16, stop=[stop])
+    assert result.text == full[: full.index(stop)] and result.finish_reason == "stop"
+
+
+def check_stop_token_ids(api, ref):
+    ids = ref.greedy(ref.ids(PROMPT), 16)
+    at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    result = api.complete(PROMPT, temperature=0, max_tokens=16, stop_token_ids=[ids[at]])
+    assert result.completion_tokens == at + 1 and result.finish_reason == "stop"
+    assert result.text == ref.text(ids[: at + 1])  # the stop token is kept
+
+
+def check_max_tokens(api, ref):
+    result = api.complete(PROMPT, temperature=0, max_tokens=5)
+    assert result.completion_tokens == 5 and result.finish_reason == "length"
+    assert result.text == ref.text(ref.greedy(ref.ids(PROMPT), 5))
+
+
+def check_min_tokens(api, ref):
+    prompt = ref.ids(messages=CHAT)
+    short = ref.greedy(prompt, 48)
+    assert short[-1] in ref.eos_token_ids and len(short) < 30, "the answer ends with end-of-sequence"
+    min_tokens = len(short) + 4
+    result = api.complete(messages=CHAT, temperature=0, max_tokens=48, min_tokens=min_tokens)
+    assert result.completion_tokens >= min_tokens
+    assert result.text == ref.text(ref.greedy(prompt, 48, min_tokens=min_tokens))
+    assert result.text.startswith(ref.text(short)) and result.text != ref.text(short)
+
+
+def check_ignore_eos(api, ref):
+    prompt = ref.ids(messages=CHAT)
+    short = ref.greedy(prompt, 48)
+    plain = api.complete(messages=CHAT, temperature=0, max_tokens=len(short) + 8)
+    assert plain.finish_reason == "stop" and plain.completion_tokens == len(short)
+    result = api.complete(messages=CHAT, temperature=0, max_tokens=len(short) + 8, ignore_eos=True)
+    assert result.finish_reason == "length" and result.completion_tokens == len(short) + 8
+    assert result.text == ref.text(ref.greedy(prompt, len(short) + 8, ignore_eos=True))
+
+
+def check_penalty(name: str, value: float):
+    def check(api, ref):
+        prompt = ref.ids(REPEAT)
+        expected = ref.greedy(prompt, 16, ignore_eos=True, **{name: value})
+        assert expected != ref.greedy(prompt, 16, ignore_eos=True), "the penalty must change the greedy output"
+        assert api.complete(REPEAT, temperature=0, max_tokens=16, ignore_eos=True, **{name: value}).text == \
+            ref.text(expected)
+    return check
+
+
+def check_logit_bias(api, ref):
+    forced = ref.tokenizer.encode(" banana")[0]
+    assert api.complete(PROMPT, temperature=0, max_tokens=4, logit_bias={forced: 100}).text == " banana" * 4
+    banned = ref.greedy(ref.ids(PROMPT), 1)[0]
+    result = api.complete(PROMPT, temperature=0, max_tokens=8, logit_bias={banned: -100})
+    assert result.text == ref.text(ref.greedy(ref.ids(PROMPT), 8, logit_bias=((banned, -100),)))
+
+
+def check_logprobs(api, ref):
+    for inputs, num in ((dict(prompt=PROMPT), 3), (dict(messages=CHAT), 2)):  # completions, chat's top_logprobs
+        prompt = ref.ids(inputs.get("prompt"), inputs.get("messages"))
+        ids = ref.greedy(prompt, 6)
+        expected = ref.log_softmax(prompt + ids)
+        result = api.complete(**inputs, temperature=0, max_tokens=6, logprobs=num)
+        assert [t.text for t in result.tokens] == [ref.tokenizer.decode([i]) for i in ids]
+        for i, (token, token_id) in enumerate(zip(result.tokens, ids)):
+            row = expected[len(prompt) - 1 + i]
+            assert token.logprob == pytest.approx(row[token_id].item(), abs=1e-3)
+            assert sorted(token.top.values(), reverse=True) == pytest.approx(row.topk(num).values.tolist(), abs=1e-3)
+            assert max(token.top.values()) == pytest.approx(token.logprob)  # greedy picks the top token
+
+
+def check_echo(api, ref):
+    prompt = ref.ids(PROMPT)
+    expected = ref.log_softmax(prompt)
+    result = api.complete(PROMPT, temperature=0, max_tokens=4, echo=True, logprobs=2)
+    assert result.text == ref.text(ref.greedy(prompt, 4))
+    assert [t.text for t in result.prompt] == [ref.tokenizer.decode([i]) for i in prompt]
+    assert result.prompt[0].logprob is None  # the first token has nothing before it
+    for position, token in enumerate(result.prompt[1:], start=1):
+        row = expected[position - 1]
+        assert token.logprob == pytest.approx(row[prompt[position]].item(), abs=1e-3)
+        assert sorted(token.top.values(), reverse=True) == pytest.approx(row.topk(2).values.tolist(), abs=1e-3)
+    if api.echoes_text:
+        assert result.echo == PROMPT
+        assert api.complete(PROMPT, temperature=0, max_tokens=4, echo=True).echo == PROMPT
+
+
+def check_request_id(api, ref):
+    for _ in range(2):  # free again once the first has ended
+        assert api.complete(PROMPT, max_tokens=2, request_id="table-request-1").request_id == "table-request-1"
+
+
+def check_json_object(api, ref):
+    # Greedy: sampled, an object without a schema's bounds can run past max_tokens inside a string.
+    result = api.complete(messages=JSON_CHAT, temperature=0, max_tokens=64, json_object=True)
+    assert isinstance(json.loads(result.text), dict) and result.finish_reason == "stop"
+    plain = api.complete(messages=JSON_CHAT, temperature=0, max_tokens=16)
+    assert not plain.text.startswith("{"), "unconstrained, the model answers otherwise: the format is the grammar's"
+
+
+def check_json_schema(api, ref):
+    greedy = api.complete(messages=JSON_CHAT, temperature=0, max_tokens=64, json_schema=PERSON_SCHEMA)
+    jsonschema.validate(json.loads(greedy.text), PERSON_SCHEMA)
+    sampled = api.complete(messages=JSON_CHAT, temperature=1.0, seed=0, max_tokens=64, json_schema=PERSON_SCHEMA)
+    jsonschema.validate(json.loads(sampled.text), PERSON_SCHEMA)
+
+
+PARAMETERS = {
+    "temperature": check_temperature,
+    "top_p": check_top_p,
+    "top_k": check_top_k,
+    "min_p": check_min_p,
+    "seed": check_seed,
+    "n": check_n,
+    "stop": check_stop,
+    "stop_token_ids": check_stop_token_ids,
+    "max_tokens": check_max_tokens,
+    "min_tokens": check_min_tokens,
+    "ignore_eos": check_ignore_eos,
+    "presence_penalty": check_penalty("presence_penalty", 1.5),
+    "frequency_penalty": check_penalty("frequency_penalty", 1.0),
+    "repetition_penalty": check_penalty("repetition_penalty", 1.5),
+    "logit_bias": check_logit_bias,
+    "logprobs": check_logprobs,
+    "echo": check_echo,
+    "X-Request-Id": check_request_id,
+    "response_format-json_object": check_json_object,
+    "response_format-json_schema": check_json_schema,
+}
+
+
+@pytest.mark.parametrize("parameter", list(PARAMETERS))
+def test_parameter(parameter, api, ref):
+    PARAMETERS[parameter](api, ref)

@@ -1,0 +1,59 @@
+"""The names the HTTP API serves the model under: the model's own by default, several when given, and 404
+model_not_found for any other, before anything reaches the back end."""
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from frontend.http_server import OpenAIServer
+from pagedserve.config import DEFAULT_MODEL_NAME, ServingConfig, model_name
+
+
+class CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+class NoLink:
+    """A request that names an unknown model never gets this far."""
+
+    def submit(self, *args, **kwargs):
+        raise AssertionError("submitted to the scheduler")
+
+
+@pytest.fixture
+def http():
+    server = OpenAIServer(NoLink(), CharTokenizer(), ("smollm", "alias"), max_model_len=64, vocab_size=256,
+                          max_prompt_chars=100)
+    return TestClient(server.app)
+
+
+def test_every_served_name_is_listed_and_accepted(http):
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["smollm", "alias"]
+    for name in ("smollm", "alias", None):
+        response = http.post("/tokenize", json={"prompt": "hi", **({"model": name} if name else {})})
+        assert response.status_code == 200 and response.json()["tokens"] == [104, 105]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "hi"}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                       ("/tokenize", {"prompt": "hi"})])
+def test_any_other_name_is_not_found(http, path, body):
+    response = http.post(path, json={"model": "default", **body})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("not_found_error", "model", "model_not_found")
+    assert "'smollm', 'alias'" in error["message"]
+
+
+def test_the_default_name_is_the_models_own(tmp_path):
+    assert model_name("default") == DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+    (tmp_path / "Qwen2-0.5B").mkdir()
+    assert model_name(str(tmp_path / "Qwen2-0.5B") + "/") == "Qwen2-0.5B"
+    assert model_name("models/tinyllama.Q4_0.gguf") == "tinyllama.Q4_0"
+
+
+def test_served_names_are_not_empty():
+    assert ServingConfig(served_model_name=("a", "b")).served_model_name == ("a", "b")
+    with pytest.raises(ValueError, match="^served_model_name"):
+        ServingConfig(served_model_name=("a", " "))
