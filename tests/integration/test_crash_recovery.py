@@ -10,19 +10,19 @@ import os
 import random
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.client import GenerateClient, build_request
 from pagedserve.config import PagedServeConfig
 from pagedserve.entrypoints.launcher import Stack
-from pagedserve.service import channel, wait_until_serving
+from pagedserve.service import wait_until_serving
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.support.probes import health, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -59,23 +59,6 @@ def greedy(reference: LLM, requests: list[list[int]], max_tokens: int):
     """What a fault-free run gives: the offline LLM's greedy tokens and logprobs."""
     return reference.generate(requests, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                                        logprobs=1))
-
-
-def health(address: str):
-    with channel(address) as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-        except grpc.RpcError:
-            return None
-
-
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def scheduler_stats(stack) -> scheduler_pb2.SchedulerStats:

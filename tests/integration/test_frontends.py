@@ -15,13 +15,13 @@ import time
 import grpc
 import httpx
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.client import GenerateClient, build_request
 from pagedserve.config import PagedServeConfig
 from pagedserve.entrypoints.launcher import Stack
-from pagedserve.service import channel
+from tests.support.probes import health, wait_for
 from tests.support.tiny_stack import kv_stats, write_tiny_model_with_tokenizer
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -59,23 +59,6 @@ def stack(model):
 
 def request(prompt: list[int], max_tokens: int):
     return build_request(prompt_token_ids=prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def health(address: str):
-    with channel(address) as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-        except grpc.RpcError:
-            return None
-
-
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 class Streaming:
