@@ -1,12 +1,19 @@
 """The control plane alone: an executor that runs no model and sleeps a fixed time per step
 (--benchmark-sleep-ms), 256 running requests through the full stack; the busy fraction is the sleeping
-time over the wall time, over a window in which all of them run. Writes bench/results/control_plane.json.
+time over the wall time, over a window in which all of them run. The same load runs with steps planned
+ahead (the default) and without (--no-async-scheduling), side by side; each run also records the CPU
+each process spent per step. Writes bench/results/control_plane.json.
 
-    python bench/control_plane.py [--sleep-ms 5] [--requests 256] [--window 20]
+    python bench/control_plane.py [--sleep-ms 5] [--requests 256] [--window 20] [--only-async]
+
+The clients are asyncio streams in this process, so that the load generator takes as little of the
+machine's cores as it can (its CPU is recorded too).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
 import threading
 import time
@@ -16,6 +23,76 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_result  # noqa: E402
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def run(args, async_scheduling: bool) -> dict:
+    import grpc
+
+    from pagedserve.client import build_request
+    from pagedserve.config import PagedServeConfig
+    from pagedserve.entrypoints.launcher import Stack
+    from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+    config = PagedServeConfig.from_kwargs(model=args.model, device="cpu", port=0, log_level="WARNING",
+                                          benchmark_sleep_ms=args.sleep_ms, max_num_seqs=args.requests,
+                                          async_scheduling=async_scheduling,
+                                          kv_cache_memory=96 << 30)  # no KV tensors: room for every request
+    prompt_len = 8
+    with Stack(config) as stack:
+        loop = asyncio.new_event_loop()
+        stop = asyncio.Event()
+
+        async def consume(stub, i: int, max_tokens: int) -> None:
+            request = build_request(prompt_token_ids=[1 + i % 100] * prompt_len, max_tokens=max_tokens,
+                                    ignore_eos=True, temperature=0.0)
+            async for _ in stub.Generate(request):
+                pass
+
+        async def load() -> None:
+            async with grpc.aio.insecure_channel(stack.address) as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+                info = await stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=60)
+                # Long enough to outlast the window at the rate steps can possibly go (within the context).
+                max_tokens = min(int(1.2 * args.window * 1000 / args.sleep_ms) + 100, info.max_model_len - prompt_len)
+                streams = [asyncio.ensure_future(consume(stub, i, max_tokens)) for i in range(args.requests)]
+                await stop.wait()
+                for stream in streams:
+                    stream.cancel()
+                await asyncio.gather(*streams, return_exceptions=True)
+
+        clients = threading.Thread(target=loop.run_until_complete, args=(load(),), daemon=True)
+        clients.start()
+        pids = {name: process.pid for name, process in stack.processes.items()}
+        with stack.channel("scheduler_svc") as ch:
+            scheduler = scheduler_pb2_grpc.SchedulerStub(ch)
+            stats = lambda: scheduler.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=10)  # noqa: E731
+            while stats().num_running < args.requests:
+                time.sleep(0.1)
+            cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
+            start, t0 = stats(), time.perf_counter()
+            time.sleep(args.window)
+            end, t1 = stats(), time.perf_counter()
+            cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
+        loop.call_soon_threadsafe(stop.set)
+        clients.join(timeout=30)
+    steps = end.num_steps - start.num_steps
+    wall = t1 - t0
+    return {
+        "busy_fraction": round(steps * args.sleep_ms / 1e3 / wall, 4),
+        "steps": steps, "window_s": round(wall, 2),
+        "step_ms": round(wall / steps * 1e3, 3) if steps else None,
+        "overhead_ms_per_step": round(wall / steps * 1e3 - args.sleep_ms, 3) if steps else None,
+        "cpu_ms_per_step": {name: round((cpu1[name] - cpu0[name]) / steps * 1e3, 3) if steps else None
+                            for name in cpu0},
+    }
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -23,54 +100,18 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=5.0)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--window", type=float, default=20.0)
+    parser.add_argument("--only-async", action="store_true", help="skip the run without async scheduling")
     args = parser.parse_args()
 
-    import grpc
-
-    from pagedserve.client import GenerateClient, build_request
-    from pagedserve.config import PagedServeConfig
-    from pagedserve.entrypoints.launcher import Stack
-    from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-
-    config = PagedServeConfig.from_kwargs(model=args.model, device="cpu", port=0, log_level="WARNING",
-                                          benchmark_sleep_ms=args.sleep_ms, max_num_seqs=args.requests,
-                                          kv_cache_memory=96 << 30)  # no KV tensors: room for every request
-    # Long enough to outlast the window at the rate steps can possibly go.
-    max_tokens = int(1.2 * args.window * 1000 / args.sleep_ms) + 100
-    with Stack(config) as stack, GenerateClient(stack.address) as client:
-        streams = []
-
-        def consume(i: int) -> None:
-            stream = client.stream(build_request(prompt_token_ids=[1 + i % 100] * 8, max_tokens=max_tokens,
-                                                 ignore_eos=True, temperature=0.0))
-            streams.append(stream)
-            try:
-                for _ in stream:
-                    pass
-            except grpc.RpcError:
-                pass  # cancelled at the end
-
-        threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(args.requests)]
-        for thread in threads:
-            thread.start()
-        with stack.channel("scheduler_svc") as ch:
-            scheduler = scheduler_pb2_grpc.SchedulerStub(ch)
-            stats = lambda: scheduler.GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=10)  # noqa: E731
-            while stats().num_running < args.requests:
-                time.sleep(0.1)
-            start, t0 = stats(), time.perf_counter()
-            time.sleep(args.window)
-            end, t1 = stats(), time.perf_counter()
-        for stream in streams:
-            stream.cancel()
-    steps = end.num_steps - start.num_steps
-    wall = t1 - t0
-    busy = steps * args.sleep_ms / 1e3 / wall
-    path = write_result("control_plane", {"busy_fraction": round(busy, 4)}, {
-        "sleep_ms": args.sleep_ms, "running": args.requests, "steps": steps, "window_s": round(wall, 2),
-        "step_ms": round(wall / steps * 1e3, 3) if steps else None,
-        "overhead_ms_per_step": round(wall / steps * 1e3 - args.sleep_ms, 3) if steps else None,
-    })
+    planned_ahead = run(args, async_scheduling=True)
+    metrics = {"sleep_ms": args.sleep_ms, "running": args.requests, "async_scheduling": planned_ahead}
+    ratios = {"busy_fraction": planned_ahead["busy_fraction"]}
+    if not args.only_async:
+        one_at_a_time = run(args, async_scheduling=False)
+        metrics["sync_scheduling"] = one_at_a_time
+        ratios["async_vs_sync_steps_per_s"] = round(
+            planned_ahead["steps"] / planned_ahead["window_s"] / (one_at_a_time["steps"] / one_at_a_time["window_s"]), 3)
+    path = write_result("control_plane", ratios, metrics)
     print(path.read_text())
 
 

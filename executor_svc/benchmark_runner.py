@@ -72,6 +72,7 @@ class SleepingRunner(ModelRunner):
     def execute(self, step: ExecuteStep) -> ExecuteResult:
         sampling, _, result = self._run_model(step)
         result.sampled = {r.request_id: SampledToken(token_id=self.token_for(r)) for r in sampling}
+        self._remember_samples(sampling, result.sampled.values())
         return result
 
     def step_logits(self, step: ExecuteStep):

@@ -1,7 +1,9 @@
 """Runs one engine step: flat batch in, one sampled token per finishing chunk out.
 
-The runner keeps per-request state between steps (block table, sampling parameters), so a steady-state
-decode step carries a few integers per request. It owns the model, the KV tensors and the sampler.
+The runner keeps per-request state between steps (block table, sampling parameters, the token it sampled
+last), so a steady-state decode step carries a few integers per request, and a step planned before the
+scheduler knew the last sampled tokens has the runner feed them in itself. It owns the model, the KV
+tensors and the sampler.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,11 +65,19 @@ class RequestState:
     block_ids: list[int]
     prompt_len: int
     grammar: RequestGrammar | None = None  # of a structured request
+    # The token sampled for the request last, and the position it takes: what a row that feeds the
+    # sampled token in (ExecuteRequest.feed_sampled) computes there.
+    sampled_token: int = 0
+    sampled_position: int = -1
     # Penalties and grammars have followed the tokens before this position (a deferred request computes its
     # last token again: it is not counted twice).
     num_followed: int = 0
     # Prompt logprobs: the log-softmax of the last position computed, whose next token starts the next chunk.
     prompt_logprobs_row: torch.Tensor | None = None
+    follows_tokens: bool = dataclasses.field(init=False)  # params.needs_token_history, asked every step
+
+    def __post_init__(self) -> None:
+        self.follows_tokens = self.params.needs_token_history
 
 
 class ModelRunner:
@@ -164,6 +175,19 @@ class ModelRunner:
     def execute(self, step: ExecuteStep) -> ExecuteResult:
         """Runs the step. Raises StaleEpoch for a step planned for another executor instance; refuses (in
         result.rejected) the requests that would read or write outside what they own."""
+        try:
+            return self._execute(step)
+        except StaleEpoch:
+            raise
+        except Exception:
+            # The scheduler rolls the step back with the steps sent after it, and re-admits its requests; until
+            # then their rows in those steps must not run on state (block tables) this step left half-updated
+            # or that missed frees: unknown, they are refused.
+            for req in step.requests:
+                self._drop(req.request_id)
+            raise
+
+    def _execute(self, step: ExecuteStep) -> ExecuteResult:
         sampling, logits, result = self._run_model(step)
         sampling, logits = self._wait_for_grammars(step, sampling, logits, result)
         if not sampling:
@@ -176,13 +200,22 @@ class ModelRunner:
         if batch.penalty_rows is not None:
             penalty_counts = self.token_counts.gather([r.request_id for r, p in zip(sampling, params) if p.has_penalties])
         grammar_mask = None
-        grammar_rows = [row for row, r in enumerate(sampling) if self.requests[r.request_id].grammar is not None]
+        # A grammar that has accepted its stop token constrains nothing more: its request has ended (with
+        # steps planned ahead, this is a step planned before that was known; its token is dropped).
+        grammar_rows = [row for row, r in enumerate(sampling) if (grammar := self.requests[r.request_id].grammar)
+                        is not None and not grammar.matcher.is_terminated()]
         if grammar_rows:
             grammars = [self.requests[sampling[row].request_id].grammar for row in grammar_rows]
             grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, grammars), grammar_rows)
         tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask).to_sampled_tokens(batch)
         result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
+        self._remember_samples(sampling, tokens)
         return result
+
+    def _remember_samples(self, sampling: list[ExecuteRequest], tokens: Iterable[SampledToken]) -> None:
+        for req, token in zip(sampling, tokens):
+            state = self.requests[req.request_id]
+            state.sampled_token, state.sampled_position = token.token_id, req.start_position + len(req.token_ids)
 
     def _wait_for_grammars(self, step: ExecuteStep, sampling: list[ExecuteRequest], logits, result: ExecuteResult):
         """The requests to sample, and their logits, less those whose grammar has not compiled yet: deferred
@@ -245,18 +278,25 @@ class ModelRunner:
         for request_id in step.finished_request_ids:
             self._drop(request_id)
         rejected: dict[str, str] = {}
-        accepted = []
+        accepted, following = [], []
         for req in step.requests:
-            error = self._check(req)
+            state = self.requests.get(req.request_id)
+            if req.feed_sampled:
+                req, error = self._feed_sampled(req, state)
+            else:
+                error = self._check(req, state)
             if error is None and req.sampling_params is not None:
                 error = self._new_state(req)
+                state = self.requests.get(req.request_id)
+            elif error is None and req.new_block_ids:
+                state.block_ids.extend(req.new_block_ids)
             if error is not None:
                 rejected[req.request_id] = error
                 continue
             accepted.append(req)
-            if req.sampling_params is None:
-                self.requests[req.request_id].block_ids.extend(req.new_block_ids)
-        self._follow_tokens(accepted)
+            if state.follows_tokens:
+                following.append(req)
+        self._follow_tokens(following)
         # Blocks about to be overwritten leave first; then prefix blocks come back from host memory, after
         # which the swap space lets go of the copies the block manager no longer needs.
         self._save_blocks(step.save_blocks)
@@ -269,6 +309,19 @@ class ModelRunner:
         self._save_blocks(step.save_blocks_after)
         result.rejected = rejected
         return sampling, logits, result
+
+    def _feed_sampled(self, req: ExecuteRequest, state: RequestState | None) -> tuple[ExecuteRequest, str | None]:
+        """The row with the token it feeds in (the one sampled for it last), checked; or why it cannot run."""
+        position = req.start_position + len(req.token_ids)
+        if req.sampling_params is not None or state is None or state.sampled_position != position:
+            return req, f"no token was sampled for position {position} (the step that samples it did not run here)"
+        fed = ExecuteRequest(req.request_id, req.token_ids + [state.sampled_token], req.start_position,
+                             req.new_block_ids, req.sample, None, req.prompt_len, req.load_blocks, req.prefix_token_ids,
+                             prompt_logprobs=req.prompt_logprobs)
+        if req.token_ids or req.load_blocks:
+            return fed, self._check(fed, state)
+        # A decode of this executor's own sample, where it was sampled: only where it ends is new.
+        return fed, self._check_extent(fed, len(state.block_ids), position + 1)
 
     def _drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -291,8 +344,6 @@ class ModelRunner:
         count_ids, count_tokens, count_is_output = [], [], []
         for req in requests:
             state = self.requests[req.request_id]
-            if not state.params.needs_token_history:
-                continue
             prefix = req.prefix_token_ids if req.sampling_params is not None else []
             start = req.start_position - len(prefix)
             tokens = prefix + req.token_ids
@@ -308,31 +359,41 @@ class ModelRunner:
                 state.grammar.follow(req.request_id, tokens[first_output:])
         self.token_counts.record(count_ids, count_tokens, count_is_output)
 
-    def _check(self, req: ExecuteRequest) -> str | None:
-        """Why the request cannot run (it would read or write outside what it owns), or None."""
-        state = self.requests.get(req.request_id)
-        if req.sampling_params is None and state is None:
+    def _check(self, req: ExecuteRequest, state: RequestState | None) -> str | None:
+        """Why the request (whose state is `state`) cannot run (it would read or write outside what it owns),
+        or None. Called for every row of every step: no list is built for it."""
+        params, tokens, vocab_size = req.sampling_params, req.token_ids, self.config.vocab_size
+        if params is None and state is None:
             return "unknown to the executor and carries no sampling parameters"
-        if not req.token_ids:
+        if not tokens:
             return "no tokens to compute"
-        if req.sampling_params is not None and any(t >= self.config.vocab_size for t in req.sampling_params.logit_bias):
-            return f"logit_bias token ids must be below {self.config.vocab_size}"
-        if min(req.token_ids + req.prefix_token_ids) < 0 or max(req.token_ids + req.prefix_token_ids) >= self.config.vocab_size:
-            return f"token ids must be in [0, {self.config.vocab_size})"
-        end = req.start_position + len(req.token_ids)
-        if req.start_position < 0 or end > self.max_model_len:
+        if params is not None and any(t >= vocab_size for t in params.logit_bias):
+            return f"logit_bias token ids must be below {vocab_size}"
+        prefix = req.prefix_token_ids
+        if min(tokens) < 0 or max(tokens) >= vocab_size or (prefix and (min(prefix) < 0 or max(prefix) >= vocab_size)):
+            return f"token ids must be in [0, {vocab_size})"
+        end = req.start_position + len(tokens)
+        if req.start_position < 0:
             return f"positions [{req.start_position}, {end}) outside [0, {self.max_model_len})"
-        block_ids = req.new_block_ids + [t.block_id for t in req.load_blocks]
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
+        if any(not 0 <= t.block_id < self.num_blocks for t in req.load_blocks):
             return f"block ids must be in [0, {self.num_blocks})"
         if req.load_blocks:
             partial = [t.num_tokens for t in req.load_blocks]
             if any(not 0 <= n < self.block_size for n in partial) or any(partial[:-1]):
                 return (f"load_blocks: num_tokens must be in [0, {self.block_size}), and only the last block "
                         "may be partial")
-            if num_loaded_tokens(req.load_blocks, self.block_size) >= len(req.token_ids):
+            if num_loaded_tokens(req.load_blocks, self.block_size) >= len(tokens):
                 return "load_blocks leave no token to compute"
-        num_held = len(req.new_block_ids) + (len(state.block_ids) if req.sampling_params is None else 0)
+        return self._check_extent(req, len(state.block_ids) if params is None else 0, end)
+
+    def _check_extent(self, req: ExecuteRequest, num_blocks_held: int, end: int) -> str | None:
+        """Why the row, ending at position end, cannot run on the blocks it holds and gets, or None."""
+        if end > self.max_model_len:
+            return f"positions [{req.start_position}, {end}) outside [0, {self.max_model_len})"
+        new_blocks, num_blocks = req.new_block_ids, self.num_blocks
+        if new_blocks and (min(new_blocks) < 0 or max(new_blocks) >= num_blocks):
+            return f"block ids must be in [0, {num_blocks})"
+        num_held = len(new_blocks) + num_blocks_held
         if num_held * self.block_size < end:
             return f"{num_held} blocks cannot hold {end} positions"
         return None

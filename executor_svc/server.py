@@ -1,23 +1,27 @@
-"""The executor service: one batched Execute call per engine step."""
+"""The executor service: steps come in on a stream per scheduler and run one at a time, in order."""
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-
-import grpc
 
 from executor_svc.model_runner import ModelRunner, StaleEpoch
 from executor_svc.offload import HostTier, RedisTier
 from pagedserve.convert import execute_result_to_proto, execute_step_from_proto
+from pagedserve.step import ExecuteStep
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
+class MalformedStep(Exception):
+    """A step whose message does not make sense (e.g. decode rows whose arrays do not line up)."""
+
+
 class StepWorker:
-    """Runs submitted calls, one at a time, on the thread that calls run().
+    """Runs submitted steps, one at a time and in the order submitted, on the thread that calls run().
 
     torch's OpenMP pool belongs to the thread that uses it: steps on gRPC's worker threads would each
     bring up a pool of their own beside the one that loaded the model, and the pools' waiting threads
@@ -27,21 +31,21 @@ class StepWorker:
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn: Callable[[ExecuteStep], object], step: ExecuteStep) -> Future:
         future: Future = Future()
-        self.jobs.put((future, fn, args))
+        self.jobs.put((future, fn, step))
         return future
 
     def run(self, stopping: threading.Event) -> None:
         while not stopping.is_set():
             try:
-                future, fn, args = self.jobs.get(timeout=0.2)
+                future, fn, step = self.jobs.get(timeout=0.2)
             except queue.Empty:
                 continue
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(*args))
-                except BaseException as error:  # handed to the waiting RPC, which reports it
+                    future.set_result(fn(step))
+                except BaseException as error:  # handed to the stream, which reports it
                     future.set_exception(error)
 
 
@@ -72,17 +76,55 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         # Steps run one at a time on the thread that loaded the model (see StepWorker).
         self.worker = StepWorker()
 
-    def Execute(self, request, context):
-        step, rejected = execute_step_from_proto(request)
+    def Execute(self, request_iterator, context):
+        """A scheduler's stream of steps: each is parsed as it arrives and queued to run, so that the next
+        step is waiting when one ends; the answers go back in the same order."""
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._receive, args=(request_iterator, answers), name="execute-receive",
+                         daemon=True).start()
+        while True:
+            pending = answers.get()
+            if pending is None:
+                return
+            yield self._answer(*pending)
+
+    def _receive(self, request_iterator, answers: queue.SimpleQueue) -> None:
         try:
-            result = self.worker.submit(self.runner.execute, step).result()
+            for message in request_iterator:
+                try:
+                    step, rejected = execute_step_from_proto(message)
+                except ValueError as error:
+                    malformed: Future = Future()
+                    malformed.set_exception(MalformedStep(str(error)))
+                    answers.put((message.step_id, malformed, {}))
+                    continue
+                answers.put((step.step_id, self.worker.submit(self.runner.execute, step), rejected))
+        except Exception as error:  # the scheduler went away: its stream ends with an error or cancel
+            logger.info("step stream closed: %s", error)
+        finally:
+            answers.put(None)
+
+    @staticmethod
+    def _answer(step_id: int, running: Future, rejected: dict[str, str]) -> executor_pb2.ExecuteResult:
+        """The step's result (with the requests set aside while parsing it among the rejected), or why it
+        did not run."""
+        try:
+            result = running.result()
+            result.rejected.update(rejected)
+            answer = execute_result_to_proto(result)
         except StaleEpoch as error:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            answer = _step_error("FAILED_PRECONDITION", str(error))
+        except MalformedStep as error:
+            answer = _step_error("INVALID_ARGUMENT", str(error))
         except Exception as error:  # the scheduler rolls the step back; the cause belongs in this log
             logger.exception("step failed")
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
-        result.rejected.update(rejected)
-        return execute_result_to_proto(result)
+            answer = _step_error("INTERNAL", f"{type(error).__name__}: {error}")
+        answer.step_id = step_id
+        return answer
 
     def GetInfo(self, request, context):
         return executor_info(self.runner)
+
+
+def _step_error(code: str, message: str) -> executor_pb2.ExecuteResult:
+    return executor_pb2.ExecuteResult(error=executor_pb2.StepError(code=code, message=message))

@@ -48,6 +48,8 @@ class RequestGrammar:
             self.pending += token_ids
             return
         for token in token_ids:
+            if self.matcher.is_terminated():  # (its stop token came: nothing follows the grammar)
+                break
             if not self.matcher.accept_token(token):
                 logger.warning("request %s: token %d is outside its grammar", request_id, token)
 

@@ -100,8 +100,10 @@ class GenerateCall:
             self.link.abort(output.request_id)
         if delta.finished:
             self.ended.add(output.request_id)
-        return ChoiceDelta(index, output.new_token_ids, delta.text, output.new_logprobs, delta.finish_reason,
-                           delta.usage, output.prompt_logprobs)
+        num_tokens = delta.num_tokens  # (fewer than given when a stop string ended the choice part-way)
+        return ChoiceDelta(index, output.new_token_ids[:num_tokens], delta.text,
+                           output.new_logprobs[:num_tokens] if output.new_logprobs is not None else None,
+                           delta.finish_reason, delta.usage, output.prompt_logprobs)
 
     def abort(self) -> None:
         """Aborts the choices still running (the client went away). Safe from any thread."""

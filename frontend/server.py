@@ -18,6 +18,7 @@ from frontend.generation import DRAINING, GenerateCall, GenerateError
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.convert import FINISH_REASONS, request_output_from_proto, sampling_to_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import join_outputs
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2
 
 logger = logging.getLogger(__name__)
@@ -267,16 +268,36 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 if not context.is_active():
                     return
                 continue
-            delta = call.process(output)
-            response = generate_pb2.GenerateResponse(
-                request_id=request_id, token_ids=delta.token_ids, text=delta.text, index=delta.index,
-            )
-            for token in delta.logprobs or []:
-                token_to_proto(token, response.logprobs.add())
-            for token in delta.prompt_logprobs or []:
-                token_to_proto(token, response.prompt_logprobs.add())
-            if delta.finish_reason is not None:
-                response.finish_reason = FINISH_REASONS[delta.finish_reason]
-                response.usage.prompt_tokens = delta.usage.prompt_tokens
-                response.usage.completion_tokens = delta.usage.completion_tokens
-            yield response
+            for output in _with_the_rest(output, call.inbox):
+                yield _response(request_id, call.process(output))
+
+
+def _with_the_rest(output, inbox: queue.SimpleQueue) -> list:
+    """The output with those that came after it, joined per request: a client that reads slower than the
+    steps come gets fewer, bigger messages rather than a growing backlog. None (the link closed) stays in
+    the inbox for the next round."""
+    if output is None:
+        return [None]
+    outputs = [output]
+    while not inbox.empty():
+        more = inbox.get_nowait()
+        if more is None:
+            inbox.put(None)
+            break
+        outputs.append(more)
+    return join_outputs(outputs)
+
+
+def _response(request_id: str, delta) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(
+        request_id=request_id, token_ids=delta.token_ids, text=delta.text, index=delta.index,
+    )
+    for token in delta.logprobs or []:
+        token_to_proto(token, response.logprobs.add())
+    for token in delta.prompt_logprobs or []:
+        token_to_proto(token, response.prompt_logprobs.add())
+    if delta.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[delta.finish_reason]
+        response.usage.prompt_tokens = delta.usage.prompt_tokens
+        response.usage.completion_tokens = delta.usage.completion_tokens
+    return response

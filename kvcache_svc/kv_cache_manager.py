@@ -9,12 +9,14 @@ last-in-first-out by construction and the scheduler never predicts a block count
 admitted in order, only if nobody was preempted this step, up to the first that does not fit.
 
 With prefix caching (on by default) every full block is indexed under its chained hash once the step that
-computes it has run: the call that plans a step notes the blocks it fills, and the next call, which says
-whether the executor ran it (and which requests of it failed), indexes them or forgets them. So the index
-never names a block whose KV was not computed. When the executor is replaced (a new epoch) every block
-it held is dropped from the index, and when the scheduler is, every request it had. An admitted request starts from the longest run of leading blocks
-already in the pool, referenced rather than recomputed. Its last prompt token is always computed, since
-its logits are needed. Unreferenced cached blocks stay in the free queue and are evicted LRU.
+computes it has run: the call that plans a step names the blocks it fills with known tokens, and a later
+call, which lists the steps the executor ran since the call before it (and which requests of them failed),
+indexes them, or gives the names up when their step never ran (the blocks are named again by the next
+call). With steps planned ahead that later call comes two calls on. So the index never names a block whose
+KV was not computed. When the executor is replaced (a new epoch) every block it held is dropped from the
+index, and when the scheduler is, every request it had. An admitted request starts from the longest run of
+leading blocks already in the pool, referenced rather than recomputed. Its last prompt token is always
+computed, since its logits are needed. Unreferenced cached blocks stay in the free queue and are evicted LRU.
 
 With an offload tier, a cached block about to be evicted is first copied out (``saves_before``), and,
 when asked, every block as it fills (``saves_after``); a prefix that runs out in the pool continues in
@@ -47,16 +49,22 @@ from pagedserve.step import BlockRequest, BlockStepRequest, BlockStepResult, Blo
 class RequestBlocks:
     """One request as the manager knows it: its block table and what prefix caching needs to name it."""
 
-    __slots__ = ("blocks", "num_tokens", "token_ids", "block_hashes", "cache_salt", "num_blocks_sent",
-                 "num_computed")
+    __slots__ = ("blocks", "num_tokens", "token_ids", "block_hashes", "cache_salt", "num_blocks_sent", "num_named",
+                 "last_name", "naming_round", "num_computed")
 
     def __init__(self, blocks: list[KVBlock], num_tokens: int, token_ids: list[int], cache_salt: str | None):
         self.blocks = blocks
         self.num_tokens = num_tokens  # slots in use once the step served last has run
         self.num_computed = 0  # slots whose K/V a step known to have run computed (or loaded)
         self.token_ids = token_ids  # every token known so far (prompt, then sampled ones)
-        self.block_hashes: list[bytes] = []  # of the leading full blocks named so far
+        self.block_hashes: list[bytes] = []  # of the leading full blocks indexed so far (their step ran)
         self.cache_salt = cache_salt
+        # Leading full blocks named, indexed or waiting for their step to run; the hash of the last one of
+        # those (the parent of the next name); and a count bumped when waiting names are given up, which
+        # voids them (their blocks are named again, from the last indexed one).
+        self.num_named = 0
+        self.last_name: bytes | None = None
+        self.naming_round = 0
         # Leading blocks of the table the scheduler is known to have received; the rest travel (again) with
         # the next answer, so that an answer lost on the way loses no block.
         self.num_blocks_sent = 0
@@ -111,11 +119,12 @@ class KVCacheManager:
         # The scheduler and executor instances the pool's state belongs to (None until the first step).
         self.scheduler_id: str | None = None
         self.executor_epoch: str | None = None
-        # Full blocks the last call's step fills, indexed once it is known to have run:
-        # (request id, its state, block index in its table, hash).
-        self._unconfirmed: list[tuple[str, RequestBlocks, int, bytes]] = []
-        # Requests the last call served: their slots up to num_tokens are computed once its step has run.
-        self._computing: list[tuple[str, RequestBlocks]] = []
+        # Per call whose step is not known to have run yet (by step id): the full blocks it named, indexed
+        # once it has: (request id, its state, block index in its table, hash, the state's naming round).
+        self._unconfirmed: dict[int, list[tuple[str, RequestBlocks, int, bytes, int]]] = {}
+        # Per such call: the requests it served, computed up to the slots it gave them once its step has run:
+        # (request id, its state, its num_tokens after the call).
+        self._computing: dict[int, list[tuple[str, RequestBlocks, int]]] = {}
         self._last_step_id: int | None = None
         self._previous_step_id: int | None = None
         self._served_last: list[RequestBlocks] = []  # whose blocks the last answer carried
@@ -148,9 +157,10 @@ class KVCacheManager:
         # Filled while serving one step: copies to make, and released copies (an ordered set) to free.
         self._swap_out: list[BlockTransfer] = []
         self._swap_frees: dict[bytes, None] = {}
-        # What the last call ordered: its swaps count once its step has run, its frees are sent again if not.
-        self._unconfirmed_swaps: list[tuple[str, SwappedRequest]] = []
-        self._frees_sent: list[bytes] = []
+        # Per call whose step is not known to have run yet: the swaps it ordered, which count once its step
+        # has run, and the frees it sent, which are sent again if not.
+        self._unconfirmed_swaps: dict[int, list[tuple[str, SwappedRequest]]] = {}
+        self._frees_sent: dict[int, list[bytes]] = {}
         self.num_swaps = self.blocks_swapped_out = self.blocks_swapped_in = 0
 
     @property
@@ -198,8 +208,10 @@ class KVCacheManager:
         self._check_restored(step_request.planned_step_id)
         self._follow_instances(step_request.scheduler_id, step_request.executor_epoch)
         self._acknowledge(step_request.planned_step_id)
-        self._confirm_previous_step(step_request.executed_step_id, set(step_request.failed_request_ids))
+        self._confirm_executed(step_request.executed_step_ids, set(step_request.failed_request_ids))
         self._previous_step_id, self._last_step_id = self._last_step_id, step_request.step_id
+        for pending in (self._unconfirmed, self._computing, self._unconfirmed_swaps):
+            pending[step_request.step_id] = []
         for request_id in step_request.free_request_ids:
             self.free(request_id)
         result = BlockStepResult()
@@ -234,7 +246,7 @@ class KVCacheManager:
         self._restored_step_ids = None
 
     def _drop_requests(self) -> None:
-        self._unconfirmed, self._served_last, self._computing = [], [], []
+        self._unconfirmed, self._served_last, self._computing = {}, [], {}
         for request_id in [*self.requests, *self.swapped]:
             self.free(request_id)
 
@@ -256,31 +268,38 @@ class KVCacheManager:
             for state in served:
                 state.num_blocks_sent = len(state.blocks)
 
-    def _confirm_previous_step(self, executed_step_id: int, failed: set[str]) -> None:
-        unconfirmed, self._unconfirmed = self._unconfirmed, []
-        computing, self._computing = self._computing, []
-        swaps, self._unconfirmed_swaps = self._unconfirmed_swaps, []
-        frees, self._frees_sent = self._frees_sent, []
-        if executed_step_id != self._last_step_id:
-            # The previous call's step never ran (or not all of it): its blocks hold nothing, its swap copies
-            # may not exist (those requests will be recomputed), and its frees may not have happened.
-            for request_id, record in swaps:
-                if self.swapped.get(request_id) is record:
-                    self._release_swap(request_id)
-            for block_hash_ in frees:
-                if block_hash_ not in self._swap_refs:
-                    self._swap_frees[block_hash_] = None
+    def _confirm_executed(self, executed_step_ids: list[int], failed: set[str]) -> None:
+        """Settles the calls up to the last one whose step ran: a call whose step ran has its named blocks
+        indexed, its requests' slots computed and its swaps counted; one whose step did not run (or a request
+        whose part failed) has its names given up, its swap copies dropped (they may not exist: those
+        requests are recomputed) and its frees sent again (they may not have happened)."""
+        if not executed_step_ids:
             return
-        for request_id, state in computing:
-            if request_id not in failed and self.requests.get(request_id) is state:
-                state.num_computed = max(state.num_computed, state.num_tokens)
-        for request_id, state, index, block_hash_ in unconfirmed:
-            if request_id in failed or self.requests.get(request_id) is not state or len(state.block_hashes) != index:
-                continue
-            state.block_hashes.append(block_hash_)
-            block = state.blocks[index]
-            if block.block_hash is None:
-                self.block_pool.cache_full_block(block, block_hash_)
+        executed, last = set(executed_step_ids), max(executed_step_ids)
+        settled = {s for s in (*self._unconfirmed, *self._computing, *self._unconfirmed_swaps, *self._frees_sent)
+                   if s <= last}
+        for step_id in sorted(settled):
+            ran = step_id in executed
+            for request_id, state, num_tokens in self._computing.pop(step_id, ()):
+                if ran and request_id not in failed and self.requests.get(request_id) is state:
+                    state.num_computed = max(state.num_computed, num_tokens)
+            for request_id, record in self._unconfirmed_swaps.pop(step_id, ()):
+                if not ran and self.swapped.get(request_id) is record:
+                    self._release_swap(request_id)
+            for block_hash_ in self._frees_sent.pop(step_id, ()):
+                if not ran and block_hash_ not in self._swap_refs:
+                    self._swap_frees[block_hash_] = None
+            for request_id, state, index, block_hash_, naming_round in self._unconfirmed.pop(step_id, ()):
+                if self.requests.get(request_id) is not state or naming_round != state.naming_round:
+                    continue  # gone, or named again since
+                if not ran or request_id in failed:  # the block holds nothing known
+                    state.num_named, state.last_name = len(state.block_hashes), None
+                    state.naming_round += 1
+                    continue
+                state.block_hashes.append(block_hash_)
+                block = state.blocks[index]
+                if block.block_hash is None:
+                    self.block_pool.cache_full_block(block, block_hash_)
 
     def _preempt(self, request_id: str, result: BlockStepResult) -> None:
         state = self.requests.get(request_id)
@@ -309,7 +328,7 @@ class KVCacheManager:
         for block_hash_ in hashes:
             self._swap_refs[block_hash_] = self._swap_refs.get(block_hash_, 0) + 1
         record = self.swapped[request_id] = SwappedRequest(hashes, num_tokens)
-        self._unconfirmed_swaps.append((request_id, record))
+        self._unconfirmed_swaps[self._last_step_id].append((request_id, record))
         self.num_swaps += 1
         self.blocks_swapped_out += len(new)
 
@@ -351,16 +370,20 @@ class KVCacheManager:
         ids (with any the scheduler may not have received), or None (and nothing changed) when the pool is
         short."""
         state = self.requests[request.request_id]
-        num_needed = max(0, -(-request.num_tokens // self.block_size) - len(state.blocks))
-        if num_needed > self.num_free_blocks:
-            return None
-        state.blocks.extend(self.block_pool.get_new_blocks(num_needed))
-        state.num_tokens = max(state.num_tokens, request.num_tokens)
+        num_needed = -(-request.num_tokens // self.block_size) - len(state.blocks)
+        if num_needed > 0:  # (most steps, a decode needs none)
+            if num_needed > self.num_free_blocks:
+                return None
+            state.blocks.extend(self.block_pool.get_new_blocks(num_needed))
+        if request.num_tokens > state.num_tokens:
+            state.num_tokens = request.num_tokens
         if request.new_token_ids:
             state.token_ids[request.new_tokens_start:] = request.new_token_ids
         self._note_full_blocks(request.request_id, state)
-        self._computing.append((request.request_id, state))
+        self._computing[self._last_step_id].append((request.request_id, state, state.num_tokens))
         self._served_last.append(state)
+        if state.num_blocks_sent == len(state.blocks):
+            return []
         return [block.block_id for block in state.blocks[state.num_blocks_sent:]]
 
     def _admit(self, request: BlockRequest) -> tuple[list[int], int] | None:
@@ -381,6 +404,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new)
         state = RequestBlocks(hits + new_blocks, end, tokens, request.cache_salt)
         state.block_hashes = prefix.hashes[: len(hits)]
+        state.num_named = len(hits)
         state.num_computed = len(hits) * bs
         self.requests[request_id] = state
         self.prefix_queries += len(tokens)
@@ -397,7 +421,7 @@ class KVCacheManager:
         self.blocks_swapped_in += prefix.num_swapped + (prefix.partial is not None)
         self._release_swap(request_id)  # the executor frees the copies after this step's loads
         self._note_full_blocks(request_id, state, num_from_tier=num_loads)
-        self._computing.append((request_id, state))
+        self._computing[self._last_step_id].append((request_id, state, state.num_tokens))
         self._served_last.append(state)
         return [block.block_id for block in state.blocks], num_cached
 
@@ -440,19 +464,24 @@ class KVCacheManager:
         return prefix
 
     def _note_full_blocks(self, request_id: str, state: RequestBlocks, num_from_tier: int = 0) -> None:
-        """Notes the request's blocks that the served step fills completely with known tokens, to be indexed
-        once the step has run; the first num_from_tier of them are loaded from host memory (not written
-        through again)."""
+        """Names the request's blocks that the served step fills completely with known tokens (and that no
+        call still waiting names already), to be indexed once the step has run; the first num_from_tier of
+        them are loaded from the tier, which has them."""
         if not self.enable_prefix_caching:
             return
         hashes, blocks, tokens, bs = state.block_hashes, state.blocks, state.token_ids, self.block_size
         num_full = min(state.num_tokens, len(tokens)) // bs
-        parent = hashes[-1] if hashes else self.root_hash
-        for i in range(len(hashes), num_full):
+        start = state.num_named
+        if num_full <= start:
+            return
+        parent = state.last_name if start > len(hashes) else hashes[-1] if hashes else self.root_hash
+        named = self._unconfirmed[self._last_step_id]
+        for i in range(start, num_full):
             parent = block_hash(parent, tokens[i * bs : (i + 1) * bs], state.cache_salt if i == 0 else None)
-            self._unconfirmed.append((request_id, state, i, parent))
+            named.append((request_id, state, i, parent, state.naming_round))
             if i >= len(hashes) + num_from_tier and self.block_pool.get_cached_block(parent) is None:
                 self._filled.append(BlockTransfer(blocks[i].block_id, parent))
+        state.num_named, state.last_name = num_full, parent
 
     def _collect_transfers(self, result: BlockStepResult) -> None:
         evicted, self.block_pool.evicted = self.block_pool.evicted, []
@@ -460,7 +489,8 @@ class KVCacheManager:
         result.tier_loads, self._tier_loads = self._tier_loads, {}
         result.swap_out, self._swap_out = self._swap_out, []
         result.swap_free, self._swap_frees = list(self._swap_frees), {}
-        self._frees_sent = result.swap_free
+        if result.swap_free:
+            self._frees_sent[self._last_step_id] = result.swap_free
         if self.tier is None:
             return
         # A block with a copy in the swap space needs none in the tier: it comes back from there, and goes to
@@ -485,17 +515,22 @@ class KVCacheManager:
             "cached": {str(block.block_id): block_hash_.hex() for block_hash_, block in pool.cached_blocks.items()},
             "requests": {
                 request_id: [[b.block_id for b in s.blocks], s.num_tokens, s.token_ids,
-                             [h.hex() for h in s.block_hashes], s.cache_salt, s.num_blocks_sent, s.num_computed]
+                             [h.hex() for h in s.block_hashes], s.cache_salt, s.num_blocks_sent, s.num_computed,
+                             [s.num_named, s.last_name.hex() if s.last_name else None, s.naming_round]]
                 for request_id, s in self.requests.items()
             },
-            "unconfirmed": [[request_id, index, h.hex()] for request_id, _, index, h in self._unconfirmed],
+            "unconfirmed": [[step_id, request_id, index, h.hex(), naming_round]  # (those of gone requests are void)
+                            for step_id, named in self._unconfirmed.items()
+                            for request_id, state, index, h, naming_round in named
+                            if self.requests.get(request_id) is state],
             "served_last": [request_id for request_id, s in self.requests.items() if s in self._served_last],
-            "computing": [request_id for request_id, s in self._computing if self.requests.get(request_id) is s],
+            "computing": [[step_id, request_id, num_tokens] for step_id, served in self._computing.items()
+                          for request_id, s, num_tokens in served if self.requests.get(request_id) is s],
             "swapped": {request_id: [[h.hex() for h in record.block_hashes], record.num_tokens]
                         for request_id, record in self.swapped.items()},
-            "unconfirmed_swaps": [request_id for request_id, record in self._unconfirmed_swaps
-                                  if self.swapped.get(request_id) is record],
-            "frees_sent": [h.hex() for h in self._frees_sent],
+            "unconfirmed_swaps": [[step_id, request_id] for step_id, swaps in self._unconfirmed_swaps.items()
+                                  for request_id, record in swaps if self.swapped.get(request_id) is record],
+            "frees_sent": [[step_id, [h.hex() for h in frees]] for step_id, frees in self._frees_sent.items()],
             "counters": [self.prefix_queries, self.prefix_hits, self.num_preemptions, self.tier_hits,
                          self.blocks_saved, pool.num_evictions, self.num_swaps, self.blocks_swapped_out,
                          self.blocks_swapped_in],
@@ -507,15 +542,17 @@ class KVCacheManager:
             raise ValueError("the saved state belongs to another pool (size, block size or model)")
         pool = BlockPool(self.num_blocks)
         requests: dict[str, RequestBlocks] = {}
-        for request_id, (block_ids, num_tokens, token_ids, hashes, salt, num_sent, num_computed) in \
+        for request_id, (block_ids, num_tokens, token_ids, hashes, salt, num_sent, num_computed, naming) in \
                 state["requests"].items():
             blocks = [pool.blocks[i] for i in block_ids]
             for block in blocks:
                 block.ref_cnt += 1
-            requests[request_id] = RequestBlocks(blocks, num_tokens, token_ids, salt)
-            requests[request_id].block_hashes = [bytes.fromhex(h) for h in hashes]
-            requests[request_id].num_blocks_sent = num_sent
-            requests[request_id].num_computed = num_computed
+            request = requests[request_id] = RequestBlocks(blocks, num_tokens, token_ids, salt)
+            request.block_hashes = [bytes.fromhex(h) for h in hashes]
+            request.num_blocks_sent = num_sent
+            request.num_computed = num_computed
+            request.num_named, last_name, request.naming_round = naming
+            request.last_name = bytes.fromhex(last_name) if last_name else None
         swapped = {request_id: SwappedRequest([bytes.fromhex(h) for h in hashes], num_tokens)
                    for request_id, (hashes, num_tokens) in state["swapped"].items()}
         for block_id, block_hash_ in state["cached"].items():
@@ -532,11 +569,16 @@ class KVCacheManager:
             for block_hash_ in record.block_hashes:
                 self._swap_refs[block_hash_] = self._swap_refs.get(block_hash_, 0) + 1
         self.scheduler_id, self.executor_epoch, self._previous_step_id, self._last_step_id = state["instances"]
-        self._unconfirmed = [(r, requests[r], i, bytes.fromhex(h)) for r, i, h in state["unconfirmed"]]
+        self._unconfirmed = {}
+        for step_id, r, i, h, naming_round in state["unconfirmed"]:
+            self._unconfirmed.setdefault(step_id, []).append((r, requests[r], i, bytes.fromhex(h), naming_round))
         self._served_last = [requests[r] for r in state["served_last"]]
-        self._computing = [(r, requests[r]) for r in state["computing"]]
-        self._unconfirmed_swaps = [(r, swapped[r]) for r in state["unconfirmed_swaps"]]
-        self._frees_sent = [bytes.fromhex(h) for h in state["frees_sent"]]
+        self._computing, self._unconfirmed_swaps = {}, {}
+        for step_id, r, num_tokens in state["computing"]:
+            self._computing.setdefault(step_id, []).append((r, requests[r], num_tokens))
+        for step_id, r in state["unconfirmed_swaps"]:
+            self._unconfirmed_swaps.setdefault(step_id, []).append((r, swapped[r]))
+        self._frees_sent = {step_id: [bytes.fromhex(h) for h in frees] for step_id, frees in state["frees_sent"]}
 
     def restored(self) -> None:
         """Marks the state as restored: the next call must come from a scheduler that received the answer

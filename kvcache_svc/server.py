@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import threading
 
+import grpc
+
 from kvcache_svc.durable_state import DurableState
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.convert import block_step_request_from_proto, block_step_result_to_proto
@@ -17,7 +19,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         self.num_step_calls = 0
 
     def Step(self, request, context):
-        step = block_step_request_from_proto(request)
+        try:
+            step = block_step_request_from_proto(request)
+        except ValueError as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         with self.lock:
             self.num_step_calls += 1
             result = self.manager.step(step)

@@ -241,6 +241,9 @@ class SchedulerConfig(_Config):
     max_num_partial_prefills: int = option(0, "requests part-way through their prompt at once (0: no limit); "
                                               "a prompt that would start another waits while shorter ones that "
                                               "finish within the step go ahead", min=0)
+    async_scheduling: bool = option(True, "plan each step while the executor runs the one before, so that it "
+                                          "never waits on the scheduler; the executor feeds in the tokens it "
+                                          "sampled, and a request found finished a step late emits nothing more")
     # Facts, not options: none until build_scheduler fills them in from what the executor reports.
     block_size: int | None = option(None, "tokens per KV block, as the executor reports it", min=1, flag=False)
     max_model_len: int | None = option(None, "context length, as the executor reports it (what its KV cache "

@@ -116,52 +116,65 @@ def _transfers_from_proto(messages) -> list[BlockTransfer]:
 # --------------------------------------------------------------------------- scheduler <-> block manager
 
 
-def _block_request_to_proto(r: BlockRequest, out: kvcache_pb2.BlockRequest) -> None:
-    out.request_id, out.num_tokens = r.request_id, r.num_tokens
-    if r.prompt_token_ids is not None:
-        out.prompt_token_ids[:] = r.prompt_token_ids
-        out.cache_salt = r.cache_salt or ""
-    if r.new_token_ids:
-        out.new_token_ids[:] = r.new_token_ids
-        out.new_tokens_start = r.new_tokens_start
-
-
 def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockStepRequest:
     out = kvcache_pb2.BlockStepRequest(
         scheduler_id=request.scheduler_id, executor_epoch=request.executor_epoch, step_id=request.step_id,
-        executed_step_id=request.executed_step_id, failed_request_ids=request.failed_request_ids,
+        executed_step_ids=request.executed_step_ids, failed_request_ids=request.failed_request_ids,
         planned_step_id=request.planned_step_id,
         free_request_ids=request.free_request_ids,
     )
-    for r in request.running:
-        _block_request_to_proto(r, out.running.add())
+    running, columns = request.running, out.running
+    columns.request_ids[:] = [r.request_id for r in running]
+    columns.num_tokens[:] = [r.num_tokens for r in running]
+    columns.num_new_tokens[:] = [len(r.new_token_ids) if r.new_token_ids else 0 for r in running]
+    columns.new_tokens_starts[:] = [r.new_tokens_start for r in running]
+    columns.new_token_ids[:] = [t for r in running if r.new_token_ids for t in r.new_token_ids]
     for r in request.waiting:
-        _block_request_to_proto(r, out.waiting.add())
+        out.waiting.add(request_id=r.request_id, num_tokens=r.num_tokens, prompt_token_ids=r.prompt_token_ids,
+                        cache_salt=r.cache_salt or "")
     return out
 
 
 def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> BlockStepRequest:
+    """Raises ValueError when the running requests' arrays do not line up."""
     return BlockStepRequest(
         scheduler_id=message.scheduler_id,
         executor_epoch=message.executor_epoch,
         step_id=message.step_id,
-        executed_step_id=message.executed_step_id,
+        executed_step_ids=list(message.executed_step_ids),
         failed_request_ids=list(message.failed_request_ids),
         planned_step_id=message.planned_step_id,
         free_request_ids=list(message.free_request_ids),
-        running=[BlockRequest(r.request_id, r.num_tokens, new_token_ids=list(r.new_token_ids) or None,
-                              new_tokens_start=r.new_tokens_start)
-                 for r in message.running],
+        running=_running_from_proto(message.running),
         waiting=[BlockRequest(r.request_id, r.num_tokens, prompt_token_ids=list(r.prompt_token_ids),
                               cache_salt=r.cache_salt or None)
                  for r in message.waiting],
     )
 
 
+def _running_from_proto(columns: kvcache_pb2.RunningRequests) -> list[BlockRequest]:
+    ids, counts, tokens = columns.request_ids, list(columns.num_new_tokens), list(columns.new_token_ids)
+    if not len(ids) == len(columns.num_tokens) == len(counts) == len(columns.new_tokens_starts):
+        raise ValueError(f"running: {len(ids)} request_ids, {len(columns.num_tokens)} num_tokens, {len(counts)} "
+                         f"num_new_tokens and {len(columns.new_tokens_starts)} new_tokens_starts must be as many")
+    if (counts and min(counts) < 0) or sum(counts) != len(tokens):
+        raise ValueError(f"running: num_new_tokens must count the {len(tokens)} new_token_ids")
+    running, at = [], 0
+    for request_id, num_tokens, count, start in zip(ids, columns.num_tokens, counts, columns.new_tokens_starts):
+        running.append(BlockRequest(request_id, num_tokens, new_token_ids=tokens[at:at + count] if count else None,
+                                    new_tokens_start=start))
+        at += count
+    return running
+
+
 def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStepResult:
+    """Only the deltas that add blocks travel: a running request served without new blocks (most of them,
+    most steps) needs none, and an admitted request always gets blocks."""
     out = kvcache_pb2.BlockStepResult(preempted_request_ids=result.preempted_request_ids,
                                       swap_free=result.swap_free)
     for request_id, block_ids in result.new_block_ids.items():
+        if not block_ids:
+            continue
         delta = out.deltas[request_id]
         delta.block_ids[:] = block_ids
         delta.num_cached_tokens = result.num_cached_tokens.get(request_id, 0)
@@ -188,30 +201,58 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
 # --------------------------------------------------------------------------- scheduler <-> executor
 
 
+# In DecodeRows.token_ids: the token the executor sampled for the request in its previous step.
+FEED_SAMPLED = -1
+
+
+def _is_decode_row(r: ExecuteRequest) -> bool:
+    """A row that DecodeRows can carry: a request whose state the executor holds, computing one token."""
+    return (r.sample and r.sampling_params is None and not r.load_blocks and not r.prompt_logprobs
+            and len(r.token_ids) + r.feed_sampled == 1)
+
+
 def execute_step_to_proto(step: ExecuteStep) -> executor_pb2.ExecuteStep:
     out = executor_pb2.ExecuteStep(
         finished_request_ids=step.finished_request_ids, executor_epoch=step.executor_epoch,
-        scheduler_id=step.scheduler_id, swap_free=step.swap_free,
+        scheduler_id=step.scheduler_id, step_id=step.step_id, swap_free=step.swap_free,
     )
     _transfers_to_proto(step.save_blocks, out.save_blocks)
     _transfers_to_proto(step.save_blocks_after, out.save_blocks_after)
     _transfers_to_proto(step.swap_out, out.swap_out)
+    ids, positions, tokens, block_rows, block_ids = [], [], [], [], []
     for r in step.requests:
+        if _is_decode_row(r):
+            if r.new_block_ids:
+                block_rows += [len(ids)] * len(r.new_block_ids)
+                block_ids += r.new_block_ids
+            ids.append(r.request_id)
+            positions.append(r.start_position)
+            tokens.append(FEED_SAMPLED if r.feed_sampled else r.token_ids[0])
+            continue
         item = out.requests.add(
             request_id=r.request_id, token_ids=r.token_ids, start_position=r.start_position,
-            new_block_ids=r.new_block_ids, sample=r.sample, prompt_logprobs=r.prompt_logprobs,
+            new_block_ids=r.new_block_ids, sample=r.sample, feed_sampled=r.feed_sampled,
+            prompt_logprobs=r.prompt_logprobs,
         )
         if r.sampling_params is not None:
             sampling_to_proto(r.sampling_params, item.sampling)
             item.prompt_len = r.prompt_len
             item.prefix_token_ids[:] = r.prefix_token_ids
         _transfers_to_proto(r.load_blocks, item.load_blocks)
+    if ids:
+        decodes = out.decodes
+        decodes.request_ids[:] = ids
+        decodes.positions[:] = positions
+        decodes.token_ids[:] = tokens
+        decodes.block_rows[:] = block_rows
+        decodes.block_ids[:] = block_ids
     return out
 
 
 def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteStep, dict[str, str]]:
     """The step, less any request whose sampling parameters are invalid: those come back as
-    {request id: reason}, so that one bad request fails alone."""
+    {request id: reason}, so that one bad request fails alone. Raises ValueError for DecodeRows whose
+    arrays do not line up."""
     requests, rejected = [], {}
     for r in message.requests:
         try:
@@ -229,8 +270,10 @@ def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteS
             prompt_len=r.prompt_len,
             load_blocks=_transfers_from_proto(r.load_blocks),
             prefix_token_ids=list(r.prefix_token_ids),
+            feed_sampled=r.feed_sampled,
             prompt_logprobs=r.prompt_logprobs,
         ))
+    requests += _decode_rows_from_proto(message.decodes)
     step = ExecuteStep(
         requests=requests,
         finished_request_ids=list(message.finished_request_ids),
@@ -238,10 +281,30 @@ def execute_step_from_proto(message: executor_pb2.ExecuteStep) -> tuple[ExecuteS
         scheduler_id=message.scheduler_id,
         save_blocks=_transfers_from_proto(message.save_blocks),
         save_blocks_after=_transfers_from_proto(message.save_blocks_after),
+        step_id=message.step_id,
         swap_out=_transfers_from_proto(message.swap_out),
         swap_free=list(message.swap_free),
     )
     return step, rejected
+
+
+def _decode_rows_from_proto(decodes: executor_pb2.DecodeRows) -> list[ExecuteRequest]:
+    ids = decodes.request_ids
+    if not len(decodes.positions) == len(decodes.token_ids) == len(ids):
+        raise ValueError(f"decodes: {len(ids)} request_ids, {len(decodes.positions)} positions and "
+                         f"{len(decodes.token_ids)} token_ids must be as many")
+    if len(decodes.block_rows) != len(decodes.block_ids):
+        raise ValueError(f"decodes: {len(decodes.block_rows)} block_rows for {len(decodes.block_ids)} block_ids")
+    new_blocks: dict[int, list[int]] = {}
+    for row, block_id in zip(decodes.block_rows, decodes.block_ids):
+        if not 0 <= row < len(ids):
+            raise ValueError(f"decodes: block_rows names row {row} of {len(ids)}")
+        new_blocks.setdefault(row, []).append(block_id)
+    return [
+        ExecuteRequest(request_id, [] if token == FEED_SAMPLED else [token], position, new_blocks.get(row, []), True,
+                       feed_sampled=token == FEED_SAMPLED)
+        for row, (request_id, position, token) in enumerate(zip(ids, decodes.positions, decodes.token_ids))
+    ]
 
 
 def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult:
@@ -250,8 +313,12 @@ def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult
         num_loaded_blocks=result.num_loaded_blocks, num_failed_loads=result.num_failed_loads,
         rejected=result.rejected, deferred=result.deferred,
     )
-    for request_id, token in result.sampled.items():
-        token_to_proto(token, out.sampled[request_id])
+    sampled = result.sampled
+    out.sampled_request_ids[:] = list(sampled)
+    out.sampled_token_ids[:] = [token.token_id for token in sampled.values()]
+    for request_id, token in sampled.items():
+        if token.logprob is not None:
+            token_to_proto(token, out.sampled_logprobs[request_id])
     for request_id, run in result.prompt_logprobs.items():
         entry = out.prompt_logprobs[request_id]
         entry.start_position = run.start_position
@@ -261,8 +328,12 @@ def execute_result_to_proto(result: ExecuteResult) -> executor_pb2.ExecuteResult
 
 
 def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteResult:
+    sampled = {request_id: SampledToken(token_id)
+               for request_id, token_id in zip(message.sampled_request_ids, message.sampled_token_ids)}
+    for request_id, token in message.sampled_logprobs.items():
+        sampled[request_id] = token_from_proto(token)
     return ExecuteResult(
-        sampled={rid: token_from_proto(t) for rid, t in message.sampled.items()},
+        sampled=sampled,
         num_prefill_tokens=message.num_prefill_tokens,
         num_decode_tokens=message.num_decode_tokens,
         num_loaded_blocks=message.num_loaded_blocks,

@@ -3,6 +3,7 @@ security (TLS, mutual TLS), the internal shared secret, public API keys, and ser
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hmac
 import logging
 import os
@@ -341,6 +342,7 @@ class Service:
         self.health_lock = threading.Lock()  # a dependency's change must not undo the drain's NOT_SERVING
 
     def start(self) -> None:
+        tune_garbage_collector()
         self.server.start()
         self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if self.watcher is not None:
@@ -416,6 +418,19 @@ class Service:
             if os.getppid() != parent_pid:
                 logger.warning("%s: its launcher (pid %d) is gone; shutting down", self.name, parent_pid)
                 stopping.set()
+
+
+# A step allocates thousands of short-lived objects; Python's default (a young collection every 700
+# allocations, each tenth one older) would collect many times a step.
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def tune_garbage_collector() -> None:
+    """Once start-up is done. What it built (modules, weights, the tokenizer) lives as long as the process:
+    frozen, the collector no longer walks it in every full collection; and young collections run less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def configure_logging(level: str) -> None:

@@ -9,6 +9,7 @@ the executor (``ExecuteStep`` -> ``ExecuteResult``), whatever the batch size.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
@@ -60,10 +61,12 @@ class BlockStepRequest:
     scheduler_id: str = ""
     executor_epoch: str = ""
     # Numbers this step. A full block enters the prefix index only once the executor has computed it: the
-    # blocks the previous call filled are indexed when executed_step_id names that call, except those of
-    # failed_request_ids (requests whose part of it did not run); otherwise they are forgotten.
+    # blocks a call filled are indexed when a later call lists its step among executed_step_ids (the steps
+    # whose results the scheduler received since its last call; with steps planned ahead, that is a step or
+    # two behind), except those of failed_request_ids (requests whose part of them did not run). A call
+    # at or before the last executed step that is not among them never ran: its blocks are forgotten.
     step_id: int = 0
-    executed_step_id: int = 0
+    executed_step_ids: list[int] = field(default_factory=list)
     # The last step whose answer the scheduler received: block ids handed out after it are sent again.
     planned_step_id: int = 0
     failed_request_ids: list[str] = field(default_factory=list)
@@ -104,13 +107,14 @@ class BlockStepResult:
 @dataclass(slots=True)
 class ExecuteRequest:
     request_id: str
-    # Tokens whose K/V this step computes: a prefill chunk, or the one newest token of a decode.
+    # Tokens whose K/V this step computes: a prefill chunk, or the one newest token of a decode (unless
+    # feed_sampled stands for it).
     token_ids: list[int]
     # Position of token_ids[0]; every earlier position's K/V is already in the cache.
     start_position: int
     # Appended to the block table the executor keeps for this request.
     new_block_ids: list[int]
-    # True when token_ids end at the request's last known token, so the step samples its next one.
+    # True when the row ends at the request's last token, so the step samples its next one.
     sample: bool
     # Sent the first time the executor sees the request (and again after preemption); the executor
     # then (re)creates its state, so its block table starts from new_block_ids alone.
@@ -124,6 +128,9 @@ class ExecuteRequest:
     # Sent with sampling_params when the sampling follows every token (sampling_params.needs_token_history):
     # the tokens before start_position, which the executor does not compute (a cached prefix).
     prefix_token_ids: list[int] = field(default_factory=list)
+    # The row computes one more token after token_ids: the one the executor sampled for this request in its
+    # previous step, which the scheduler planned this step without knowing (steps planned ahead).
+    feed_sampled: bool = False
     # Return the logprobs of the prompt tokens this step computes (sampling_params.prompt_logprobs): the
     # scheduler asks while the request still lacks some.
     prompt_logprobs: bool = False
@@ -142,6 +149,8 @@ class ExecuteStep:
     # Copied to the offload tier before the step runs, and after it.
     save_blocks: list[BlockTransfer] = field(default_factory=list)
     save_blocks_after: list[BlockTransfer] = field(default_factory=list)
+    # The scheduler's number for the step (the block manager's for the same plan).
+    step_id: int = 0
     # Copied to the swap space before the step runs (before anything writes the pool); and swap-space copies
     # released once the step's loads are done (see BlockStepResult).
     swap_out: list[BlockTransfer] = field(default_factory=list)
@@ -203,3 +212,19 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def join_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Each request's outputs of consecutive steps as one, in the order the requests first appear: its new
+    tokens (and logprobs) in order, its prompt logprobs (sent once), the finish and counts of the last."""
+    joined: dict[str, RequestOutput] = {}
+    for output in outputs:
+        earlier = joined.get(output.request_id)
+        if earlier is not None:
+            output = dataclasses.replace(
+                output, new_token_ids=earlier.new_token_ids + output.new_token_ids,
+                new_logprobs=(earlier.new_logprobs or []) + (output.new_logprobs or []) or None,
+                prompt_logprobs=earlier.prompt_logprobs or output.prompt_logprobs,
+            )
+        joined[output.request_id] = output
+    return list(joined.values())

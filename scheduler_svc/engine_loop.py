@@ -3,11 +3,19 @@
 Adds and aborts are queued and applied between steps, so the scheduler core is only ever touched by the
 loop's thread. A step runs whenever a request is unfinished or finished requests still hold blocks.
 
+Steps are planned ahead (async_scheduling): while the executor runs step N, the loop has already planned
+step N+1 with the block manager and sent it, so the executor finds it waiting when N is done and never
+waits on the scheduler. Then it applies N's result (new tokens, stop conditions), publishes it, and plans
+N+2. So at most two steps are out, and every plan is made knowing the result of all but the last step
+sent. Without async_scheduling, or while a suspect runs alone or a peer is down, one step is out at a
+time. The executor runs steps in the order they were planned (each names the one it follows).
+
 When a peer fails, the loop recovers without losing a request and without spinning: a block manager that
 does not answer is retried with backoff (nothing was planned); an executor that does not answer has the
-step rolled back, and the loop waits, with backoff, until an executor answers again, re-running every
-request from its tokens so far if it is a new instance; a step the executor raised on is rolled back
-and retried without the request that caused it (see Scheduler.step_failed). One warning per outage.
+steps out rolled back, and the loop waits, with backoff, until an executor answers again, re-running every
+request from its tokens so far if it is a new instance; a step the executor raised on is rolled back (with
+the step sent after it) and retried without the request that caused it (see Scheduler.steps_failed). One
+warning per outage.
 """
 from __future__ import annotations
 
@@ -15,7 +23,10 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from pagedserve.step import ExecuteResult, ExecuteStep, RequestOutput
 from scheduler_svc.request import Request
@@ -27,18 +38,52 @@ FIRST_RETRY_S = 0.05
 MAX_RETRY_S = 2.0
 
 
+class PendingResult(Protocol):
+    def result(self) -> ExecuteResult:
+        """Waits for the step's result; raises ExecutorUnavailable or StepFailed."""
+
+
+class CompletedCall:
+    """An executor in this process: the step runs when it is sent, and result() hands over its outcome."""
+
+    def __init__(self, execute: Callable[[ExecuteStep], ExecuteResult], step: ExecuteStep) -> None:
+        self.error: ExecutorUnavailable | StepFailed | None = None
+        try:
+            self.value = execute(step)
+        except (ExecutorUnavailable, StepFailed) as error:
+            self.error = error
+
+    def result(self) -> ExecuteResult:
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@dataclass(slots=True)
+class InFlightStep:
+    """A step sent to the executor whose result has not been applied. (Spread over several executors, it
+    would hold one pending call per executor, all of which must come back.)"""
+
+    step: ExecuteStep
+    call: PendingResult
+
+
 class EngineLoop:
     def __init__(
         self,
         scheduler: Scheduler,
-        execute: Callable[[ExecuteStep], ExecuteResult],
+        submit: Callable[[ExecuteStep], PendingResult],
         publish: Callable[[list[RequestOutput]], None],
         executor_epoch: Callable[[], str],
+        async_scheduling: bool = True,
     ) -> None:
+        """submit: sends a step to the executor without waiting for its result."""
         self.scheduler = scheduler
-        self.execute = execute
+        self.submit = submit
         self.publish = publish
         self.executor_epoch = executor_epoch
+        self.async_scheduling = async_scheduling
+        self.in_flight: deque[InFlightStep] = deque()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.num_steps = 0
         self.num_failed_steps = 0
@@ -64,7 +109,10 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id))
 
-    def _has_work(self) -> bool:
+    def has_work(self) -> bool:
+        return bool(self.in_flight) or self._has_work_to_plan()
+
+    def _has_work_to_plan(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.scheduler.pending_frees)
 
     def _run(self) -> None:
@@ -72,22 +120,36 @@ class EngineLoop:
             outputs: list[RequestOutput] = []
             # Block for input only when idle; otherwise take what has arrived (waiting out a retry delay)
             # and step.
-            command = self._poll(self.retry_delay) if self._has_work() else self.inbox.get()
+            command = self._poll(self.retry_delay) if self.has_work() else self.inbox.get()
             while command is not None:
                 outputs.extend(self._apply(command))
                 command = self._poll()
             if self.stopped.is_set():
                 break
-            if self._has_work():
+            if self.has_work():
                 try:
-                    outputs.extend(self._step())
+                    outputs.extend(self.step())
                 except Exception:  # a bug of ours: state is in doubt, so fail what is in flight, loudly
                     logger.exception("engine step failed; failing every unfinished request")
+                    self.in_flight.clear()
+                    self.scheduler.planned_requests.clear()
                     outputs.extend(self._fail_all("engine step failed"))
             if outputs:
                 self.publish(outputs)
 
-    def _step(self) -> list[RequestOutput]:
+    def _depth(self) -> int:
+        """How many steps may be out at once."""
+        alone = self.scheduler.suspects or self.outage is not None
+        return 2 if self.async_scheduling and not alone else 1
+
+    def step(self) -> list[RequestOutput]:
+        """Plans and sends steps while the pipeline has room, then applies the oldest one's result."""
+        while len(self.in_flight) < self._depth() and self._has_work_to_plan() and self._send_next():
+            pass
+        return self._apply_oldest() if self.in_flight else []
+
+    def _send_next(self) -> bool:
+        """Plans the next step and sends it; False when a peer did not answer (nothing was sent)."""
         try:
             if self.executor_lost:
                 epoch = self.executor_epoch()
@@ -99,22 +161,39 @@ class EngineLoop:
             step = self.scheduler.schedule()
         except (BlockManagerUnavailable, ExecutorUnavailable) as error:
             self._down("the KV-cache service" if isinstance(error, BlockManagerUnavailable) else "the executor", error)
-            return []
+            return False
+        self.in_flight.append(InFlightStep(step, self.submit(step)))
+        return True
+
+    def _apply_oldest(self) -> list[RequestOutput]:
+        oldest = self.in_flight[0]
         try:
-            result = self.execute(step)
-        except ExecutorUnavailable as error:
-            self.num_failed_steps += 1
-            self.executor_lost = True
-            self._down("the executor", error)
-            return self.scheduler.step_failed(step, None)
-        except StepFailed as error:
-            self.num_failed_steps += 1
-            logger.warning("the executor failed a step of %d requests (%s); retrying without the cause",
-                           len(step.requests), error)
-            return self.scheduler.step_failed(step, str(error))
+            result = oldest.call.result()
+        except (ExecutorUnavailable, StepFailed) as error:
+            return self._roll_back(error)
+        self.in_flight.popleft()
         self._up()
         self.num_steps += 1
-        return self.scheduler.update(step, result)
+        return self.scheduler.update(oldest.step, result)
+
+    def _roll_back(self, error: ExecutorUnavailable | StepFailed) -> list[RequestOutput]:
+        """The oldest step out failed: it and every step sent after it are rolled back."""
+        steps = list(self.in_flight)
+        self.in_flight.clear()
+        for later in steps[1:]:  # waited for, so that none of it is still running when the next plan goes out
+            try:
+                later.call.result()
+            except (ExecutorUnavailable, StepFailed):
+                pass
+        self.num_failed_steps += len(steps)
+        failed = [s.step for s in steps]
+        if isinstance(error, ExecutorUnavailable):
+            self.executor_lost = True
+            self._down("the executor", error)
+            return self.scheduler.steps_failed(failed, None)
+        logger.warning("the executor failed a step of %d requests (%s); retrying without the cause",
+                       len(failed[0].requests), error)
+        return self.scheduler.steps_failed(failed, str(error))
 
     def _down(self, peer: str, error: Exception) -> None:
         if self.outage is None:

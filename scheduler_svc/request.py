@@ -18,8 +18,8 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
         "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
-        "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival", "prompt_logprobs",
-        "prompt_logprobs_sent",
+        "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival", "num_pending_samples",
+        "prompt_logprobs", "prompt_logprobs_sent",
     )
 
     def __init__(
@@ -57,6 +57,10 @@ class Request:
         # Tokens whose K/V is in the cache (or scheduled this step): the scheduler's only notion of
         # progress; there are no prefill/decode phases, only catching up to num_tokens.
         self.num_computed_tokens = 0
+        # Tokens that steps sent to the executor sample for it, not received yet. With steps planned ahead
+        # the next step computes such a token (the executor feeds its own sample in), so it counts as a
+        # token of the request, only its id is not known yet.
+        self.num_pending_samples = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.num_preemptions = 0
@@ -66,6 +70,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def num_tokens_to_compute(self) -> int:
+        """Tokens, known or pending, whose K/V is not computed or scheduled yet; none once a pending sample
+        is its last token (max_tokens or the context length), nor while a grammar's sample is pending (the
+        executor may defer it: its last token is then computed again, so no step may be planned on it)."""
+        if self.num_pending_samples and (
+                self.sampling_params.structured
+                or len(self.output_token_ids) + self.num_pending_samples >= self.max_output_tokens):
+            return 0
+        return self.num_tokens + self.num_pending_samples - self.num_computed_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         num_prompt = len(self.prompt_token_ids)

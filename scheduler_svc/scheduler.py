@@ -17,11 +17,19 @@ stalling everyone: long_prefill_token_threshold caps the prompt tokens one reque
 max_num_partial_prefills caps how many requests are part-way through their prompt at once (a prompt that
 would start another waits while shorter ones that finish within the step go ahead).
 
-A step that fails is rolled back by recompute: its requests give their blocks back and are re-admitted
-(mostly from the prefix cache, which indexes a block only once its step has run). A request the executor
-refuses (a bad token id, block or position) fails alone with the reason. When the executor raises for a
-step of several requests, nobody can tell which one caused it: each of them then runs in a step alone
-until one has succeeded, so that a request that fails again fails alone and the others go on.
+A step can be planned before the result of the one before it has come back (steps planned ahead, see
+engine_loop.py): a request that samples in a step still out counts one more token, whose id it does not
+know yet; the next step computes that token all the same (the executor feeds in what it sampled), and the
+block manager is told its id one step later. A request that turns out to have finished with the token
+still out was planned once more for nothing: the token that step samples for it is dropped, and its
+blocks go back. One whose pending token reaches max_tokens is not planned again.
+
+A step that fails is rolled back by recompute, together with any step sent after it: their requests give
+their blocks back and are re-admitted (mostly from the prefix cache, which indexes a block only once its
+step has run). A request the executor refuses (a bad token id, block or position) fails alone with the
+reason. When the executor raises for a step of several requests, nobody can tell which one caused it: each
+of them then runs in a step alone until one has succeeded, so that a request that fails again fails alone
+and the others go on.
 
 A request the executor defers (its grammar is still compiling) has its last token computed again in the
 next step, which samples it. A request that asks for its prompt's logprobs is admitted under a cache salt
@@ -65,13 +73,12 @@ class StepFailed(Exception):
 class _Scheduled:
     request: Request
     num_new_tokens: int
+    num_left: int  # tokens it had left to compute before this step
 
     @property
     def partial(self) -> bool:
         """Part-way through its prompt (or recompute) after this step."""
-        return self.num_new_tokens > 0 and (
-            self.request.num_computed_tokens + self.num_new_tokens < self.request.num_tokens
-        )
+        return 0 < self.num_new_tokens < self.num_left
 
 
 class Scheduler:
@@ -84,8 +91,13 @@ class Scheduler:
         self.executor_epoch = executor_epoch
         self.next_step_id = 1
         self.planned_step_id = 0  # of the last plan the block manager served
-        self.executed_step_id = 0  # of the last plan the executor ran
-        self.failed_request_ids: list[str] = []  # requests whose part of that plan failed
+        # Plans the executor ran since the last call to the block manager, and the requests whose part of
+        # them failed.
+        self.executed_step_ids: list[int] = []
+        self.failed_request_ids: list[str] = []
+        # The requests of each step sent and not applied yet, row for row (by step id): the result goes to
+        # these objects, whatever became of them since.
+        self.planned_requests: dict[int, list[Request]] = {}
         self.suspects: set[str] = set()  # in a step that raised: each runs alone until one succeeds
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -133,42 +145,45 @@ class Scheduler:
         # A suspect runs alone: the running requests keep their place but get no tokens this step.
         budget = 0 if self.suspects else self.config.max_num_batched_tokens
         running: list[_Scheduled] = []
+        num_partial = 0
         for request in self.running:
-            num_new = self._chunk(request, budget)
-            running.append(_Scheduled(request, num_new))
-            budget -= num_new
+            num_left = request.num_tokens_to_compute()
+            scheduled = _Scheduled(request, self._chunk(num_left, budget), num_left)
+            running.append(scheduled)
+            budget -= scheduled.num_new_tokens
+            num_partial += scheduled.partial
         candidates = self.waiting
         if self.suspects:
             budget = self.config.max_num_batched_tokens
             candidates = [next(r for r in self.waiting if r.request_id in self.suspects)]
         partial_limit = self.config.max_num_partial_prefills or len(self.requests)
-        num_partial = sum(1 for s in running if s.partial)
         waiting: list[_Scheduled] = []
         room = 1 if self.suspects else max(self.config.max_num_seqs - len(self.running), 0)
         for request in candidates:
             if len(waiting) == room or budget <= 0:
                 break
-            num_new = self._chunk(request, budget)
-            if num_new < request.num_tokens - request.num_computed_tokens:
+            num_left = request.num_tokens_to_compute()
+            scheduled = _Scheduled(request, self._chunk(num_left, budget), num_left)
+            if scheduled.partial:
                 if not self.config.enable_chunked_prefill:
                     break
                 if num_partial == partial_limit:
                     continue  # this one would start another partial prefill: shorter ones may go ahead
                 num_partial += 1
-            waiting.append(_Scheduled(request, num_new))
-            budget -= num_new
+            waiting.append(scheduled)
+            budget -= scheduled.num_new_tokens
 
         step_id = self.next_step_id
         self.next_step_id += 1
         blocks = self.allocate_blocks(BlockStepRequest(
             scheduler_id=self.scheduler_id, executor_epoch=self.executor_epoch, step_id=step_id,
-            executed_step_id=self.executed_step_id, failed_request_ids=self.failed_request_ids,
+            executed_step_ids=self.executed_step_ids, failed_request_ids=self.failed_request_ids,
             planned_step_id=self.planned_step_id,
             free_request_ids=self.pending_frees,
             running=[self._grow_request(s) for s in running],
             waiting=[self._admit_request(s) for s in waiting],
         ))
-        self.planned_step_id, self.failed_request_ids = step_id, []
+        self.planned_step_id, self.executed_step_ids, self.failed_request_ids = step_id, [], []
         for s in running:  # the block manager now knows every token these requests have
             s.request.num_tokens_sent_to_kv = s.request.num_tokens
         executor_frees, self.pending_frees = self.pending_frees, []
@@ -181,44 +196,51 @@ class Scheduler:
         for request_id in blocks.preempted_request_ids:
             self._preempt(self.requests[request_id])
         executor_frees += blocks.preempted_request_ids
-        requests = [
-            self._execute_request(s, blocks, admitted=False) for s in running
-            if s.num_new_tokens > 0 and s.request.request_id not in preempted
-        ] + [self._execute_request(s, blocks, admitted=True) for s in admitted]
+        scheduled = [s for s in running if s.num_new_tokens > 0 and s.request.request_id not in preempted]
+        requests = ([self._execute_request(s, blocks, admitted=False) for s in scheduled]
+                    + [self._execute_request(s, blocks, admitted=True) for s in admitted])
+        self.planned_requests[step_id] = [s.request for s in scheduled] + [s.request for s in admitted]
         return ExecuteStep(
             requests=requests, finished_request_ids=executor_frees, executor_epoch=self.executor_epoch,
             scheduler_id=self.scheduler_id, save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
+            step_id=step_id,
             swap_out=blocks.swap_out, swap_free=blocks.swap_free,
         )
 
     def update(self, step: ExecuteStep, result: ExecuteResult) -> list[RequestOutput]:
-        self.executed_step_id = self.planned_step_id
+        """Applies a step's result. A request that ended since the step was planned gets nothing (its token
+        would come after its last one); one preempted since gets its token all the same (the step computed
+        it from the request's true context), and will recompute it with the rest."""
+        self.executed_step_ids.append(step.step_id)
         outputs = []
-        deferred = set(result.deferred)
-        for executed in step.requests:
-            self.suspects.discard(executed.request_id)
-            request = self.requests.get(executed.request_id)
-            if request is None:
+        sampled, rejected, deferred = result.sampled, result.rejected, set(result.deferred)
+        for executed, request in zip(step.requests, self.planned_requests.pop(step.step_id)):
+            self.suspects.discard(request.request_id)
+            if request.status is RequestStatus.FINISHED:
                 continue
-            if executed.request_id in result.rejected:
-                self.failed_request_ids.append(executed.request_id)
-                outputs.append(self._end(request, "error", result.rejected[executed.request_id]))
+            if executed.sample:
+                request.num_pending_samples -= 1
+            if request.request_id in rejected:
+                self.failed_request_ids.append(request.request_id)
+                outputs.append(self._end(request, "error", rejected[request.request_id]))
                 continue
-            run = result.prompt_logprobs.get(executed.request_id)
+            run = result.prompt_logprobs.get(request.request_id)
             if run is not None:
                 request.add_prompt_logprobs(run)
-            if executed.request_id in deferred:
+            if request.request_id in deferred:
                 # Not sampled (its grammar is still compiling): its last token is computed again, and sampled,
-                # in a later step.
-                request.num_computed_tokens -= 1
-                self.num_recomputed_tokens += 1
+                # in a later step. (No step was planned on it meanwhile: see Request.num_tokens_to_compute; a
+                # request preempted since recomputes it anyway.)
+                if request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens -= 1
+                    self.num_recomputed_tokens += 1
                 continue
-            token = result.sampled.get(executed.request_id)
+            token = sampled.get(request.request_id)
             if token is None:
                 continue
             request.append_token(token)
             if request.finish_reason is not None:
-                self.running.remove(request)
+                self._dequeue(request)
                 self._finish(request)
             logprobs = [token] if request.sampling_params.logprobs is not None else None
             output = self._output(request, [token.token_id], logprobs)
@@ -230,19 +252,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ failures
 
-    def step_failed(self, step: ExecuteStep, error: str | None) -> list[RequestOutput]:
-        """Rolls back a step the executor did not complete: its requests give their blocks back and are
-        recomputed. error: what the executor raised (None when it did not answer, which is no request's
-        fault). A request that raised alone fails with it; of several, each becomes a suspect."""
-        executed = [self.requests[r.request_id] for r in step.requests if r.request_id in self.requests]
-        if error is not None and len(executed) == 1:
-            return [self._end(executed[0], "error", f"the executor failed on this request: {error}")]
-        for request in reversed(executed):  # back to the head of the queue in their order
-            self._preempt(request)
+    def steps_failed(self, steps: list[ExecuteStep], error: str | None) -> list[RequestOutput]:
+        """Rolls back the steps the executor did not complete: the first one failed, and those sent after it
+        are void whatever became of them (they followed a step that did not run). Their requests give their
+        blocks back and are recomputed. error: what the executor raised for the first (None when it did not
+        answer, which is no request's fault). A request that raised alone fails with it; of several, each
+        becomes a suspect."""
+        rows = [[r for r in self.planned_requests.pop(step.step_id) if r.status is not RequestStatus.FINISHED]
+                for step in steps]
+        failing = rows[0]
+        outputs = []
+        if error is not None and len(failing) == 1:
+            outputs.append(self._end(failing[0], "error", f"the executor failed on this request: {error}"))
+        affected = list(dict.fromkeys(r for step_rows in rows for r in step_rows if r.status is not RequestStatus.FINISHED))
+        for request in reversed(affected):  # back to the head of the queue in their order
+            request.num_pending_samples = 0
+            if request.status is RequestStatus.RUNNING:  # (one preempted while its step was out already is waiting)
+                self._preempt(request)
             self.pending_frees.append(request.request_id)
-            if error is not None:
+            if error is not None and request in failing:
                 self.suspects.add(request.request_id)
-        return []
+        return outputs
 
     def executor_replaced(self, executor_epoch: str) -> None:
         """A new executor instance holds none of the KV of the running requests: all are recomputed (the
@@ -254,10 +284,7 @@ class Scheduler:
 
     def _end(self, request: Request, finish_reason: str, error: str | None = None) -> RequestOutput:
         """Ends an unfinished request (aborted, or failed with error)."""
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        self._dequeue(request)
         request.finish_reason = finish_reason
         self._finish(request)
         output = self._output(request, [])
@@ -266,12 +293,15 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policy
 
-    def _chunk(self, request: Request, budget: int) -> int:
-        """The tokens the request computes this step, out of what it still has to and what budget is left."""
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+    def _chunk(self, num_left: int, budget: int) -> int:
+        """The tokens a request computes this step, out of what it still has to and what budget is left."""
+        num_new = min(num_left, budget)
         if self.config.long_prefill_token_threshold and num_new > 1:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return num_new
+
+    def _dequeue(self, request: Request) -> None:
+        (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
 
     def _enqueue(self, queue: list[Request], request: Request, front: bool = False) -> None:
         """FCFS: to the back (front: a preempted request, first to be re-admitted); priority: in (priority,
@@ -306,29 +336,34 @@ class Scheduler:
         )
 
     def _execute_request(self, s: _Scheduled, blocks: BlockStepResult, admitted: bool) -> ExecuteRequest:
+        """The request's row of the step (every running request, every step: kept lean)."""
         request = s.request
-        loads = blocks.tier_loads.get(request.request_id, []) if admitted else []
+        request_id, known = request.request_id, request.num_tokens
+        loads = []
         if admitted:
-            # The block manager found this many leading tokens computed already (in the pool, or in host
-            # memory for the last blocks of them, which the loads fill): the step starts after them.
-            request.num_computed_tokens = blocks.num_cached_tokens.get(request.request_id, 0)
-            request.num_tokens_sent_to_kv = request.num_tokens
-        end = min(request.num_computed_tokens + s.num_new_tokens, request.num_tokens)
+            loads = blocks.tier_loads.get(request_id, [])
+            # The block manager found this many leading tokens computed already (in the pool, or in the
+            # offload tier for the last len(loads) blocks of them): the step starts after them.
+            request.num_computed_tokens = blocks.num_cached_tokens.get(request_id, 0)
+            request.num_tokens_sent_to_kv = known
+        last = known + request.num_pending_samples  # (waiting requests have no sample pending)
+        end = min(request.num_computed_tokens + s.num_new_tokens, last)
         # Tokens of blocks to load travel too, so that the executor can compute them if a load fails.
         start = request.num_computed_tokens - num_loaded_tokens(loads, self.config.block_size)
         request.num_computed_tokens = end
+        sample = end == last
+        if sample:
+            request.num_pending_samples += 1
+        token_ids = request.token_ids(start, min(end, known)) if start < known else []
+        new_block_ids = blocks.new_block_ids.get(request_id, [])
+        if not admitted:
+            return ExecuteRequest(request_id, token_ids, start, new_block_ids, sample, feed_sampled=end > known,
+                                  prompt_logprobs=request.wants_prompt_logprobs)
+        # The executor (re)creates its state for a request it sees for the first time since admission.
+        params = request.sampling_params
         return ExecuteRequest(
-            request_id=request.request_id,
-            token_ids=request.token_ids(start, end),
-            start_position=start,
-            new_block_ids=blocks.new_block_ids[request.request_id],
-            sample=end == request.num_tokens,
-            # The executor (re)creates its state for a request it sees for the first time since admission.
-            sampling_params=request.sampling_params if admitted else None,
-            prompt_len=len(request.prompt_token_ids) if admitted else 0,
-            load_blocks=loads,
-            prefix_token_ids=(request.token_ids(0, start)
-                              if admitted and request.sampling_params.needs_token_history else []),
+            request_id, token_ids, start, new_block_ids, sample, params, len(request.prompt_token_ids), loads,
+            prefix_token_ids=request.token_ids(0, start) if params.needs_token_history else [],
             prompt_logprobs=request.wants_prompt_logprobs,
         )
 

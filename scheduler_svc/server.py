@@ -1,13 +1,17 @@
-"""The scheduler service: frontends stream requests in, one batched update per step streams back out.
+"""The scheduler service: frontends stream requests in, batched updates stream back out.
 
 Each engine step makes exactly one Step call to the KV-cache service and one Execute call to the
-executor, whatever the batch size.
+executor, whatever the batch size. The engine loop only hands each step's outputs over; each frontend's
+stream turns them into protobuf on its own thread, and when that frontend falls behind, the outputs of
+several steps go out as one update (a request's tokens of those steps together).
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
+from collections import deque
 
 import grpc
 
@@ -19,7 +23,7 @@ from pagedserve.convert import (
     request_output_to_proto,
     sampling_from_proto,
 )
-from pagedserve.step import BlockStepRequest, BlockStepResult, ExecuteResult, ExecuteStep, RequestOutput
+from pagedserve.step import BlockStepRequest, BlockStepResult, ExecuteResult, ExecuteStep, RequestOutput, join_outputs
 from pagedserve.v1 import executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.request import Request
@@ -28,24 +32,25 @@ from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 600.0  # a step on a CPU with a long prefill can take a while; a hung peer must not hang us forever
-
-
-# An executor that answers these did not run the step (or is gone): the step's outcome is unknown, and
-# nothing is wrong with its requests. Any other error is the executor raising on the step.
-_EXECUTOR_LOST = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                  grpc.StatusCode.FAILED_PRECONDITION}
 EPOCH_TIMEOUT_S = 2.0
+WATCH_EVERY_S = 1.0
 DRAINING = "the scheduler is shutting down and takes no new requests; retry once another one serves"
+
+# A step answered with this error did not run on this executor instance (it was planned for another one):
+# its outcome is nothing, and nothing is wrong with its requests. Any other error is the executor raising.
+_EXECUTOR_LOST = "FAILED_PRECONDITION"
 
 
 class RemoteBackends:
-    """The two per-step calls, counted, with their failures told apart for the engine loop."""
+    """The block manager's call and the executor's stream of steps, counted, with their failures told apart
+    for the engine loop."""
 
     def __init__(self, kvcache_stub, executor_stub) -> None:
         self.kvcache_stub = kvcache_stub
         self.executor_stub = executor_stub
         self.kv_rpcs = 0
-        self.executor_rpcs = 0
+        self.executor_rpcs = 0  # steps sent
+        self.stream: _StepStream | None = None
 
     def allocate_blocks(self, request: BlockStepRequest) -> BlockStepResult:
         self.kv_rpcs += 1
@@ -55,14 +60,12 @@ class RemoteBackends:
             raise BlockManagerUnavailable(f"{error.code().name}: {error.details()}") from None
         return block_step_result_from_proto(reply)
 
-    def execute(self, step: ExecuteStep) -> ExecuteResult:
+    def submit(self, step: ExecuteStep) -> "_PendingStep":
+        """Sends the step without waiting for it (on the stream, opened again if it broke)."""
         self.executor_rpcs += 1
-        try:
-            reply = self.executor_stub.Execute(execute_step_to_proto(step), timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as error:
-            kind = ExecutorUnavailable if error.code() in _EXECUTOR_LOST else StepFailed
-            raise kind(f"{error.code().name}: {error.details()}") from None
-        return execute_result_from_proto(reply)
+        if self.stream is None or self.stream.broken:
+            self.stream = _StepStream(self.executor_stub)
+        return self.stream.send(step)
 
     def executor_epoch(self) -> str:
         """The executor instance now serving; raises ExecutorUnavailable while there is none."""
@@ -70,6 +73,80 @@ class RemoteBackends:
             return self.executor_stub.GetInfo(executor_pb2.ExecutorInfoRequest(), timeout=EPOCH_TIMEOUT_S).epoch
         except grpc.RpcError as error:
             raise ExecutorUnavailable(f"{error.code().name}: {error.details()}") from None
+
+
+class _PendingStep:
+    """A step sent and not answered yet; result() tells its failures apart for the engine loop."""
+
+    def __init__(self, stream: "_StepStream", step_id: int) -> None:
+        self.stream, self.step_id = stream, step_id
+        self.sent_at = time.monotonic()
+        self.answer: executor_pb2.ExecuteResult | ExecutorUnavailable | None = None
+
+    def result(self) -> ExecuteResult:
+        answer = self.stream.wait_for(self)
+        if isinstance(answer, ExecutorUnavailable):
+            raise answer
+        if answer.HasField("error"):
+            kind = ExecutorUnavailable if answer.error.code == _EXECUTOR_LOST else StepFailed
+            raise kind(f"{answer.error.code}: {answer.error.message}")
+        return execute_result_from_proto(answer)
+
+
+class _StepStream:
+    """One Execute stream: steps go out as they are planned, answers come back in the same order. Only the
+    engine loop's thread uses it. When it breaks (the executor died), or an answer is overdue (a hung
+    executor), every step still unanswered is in doubt: ExecutorUnavailable, and the next step opens a new
+    stream."""
+
+    def __init__(self, executor_stub) -> None:
+        self.outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        self.answers = executor_stub.Execute(iter(self.outgoing.get, None))
+        self.unanswered: deque[_PendingStep] = deque()
+        self.broken = False
+        self.closed = threading.Event()
+        threading.Thread(target=self._watch, name="step-stream-watch", daemon=True).start()
+
+    def send(self, step: ExecuteStep) -> _PendingStep:
+        pending = _PendingStep(self, step.step_id)
+        self.unanswered.append(pending)
+        self.outgoing.put(execute_step_to_proto(step))
+        return pending
+
+    def wait_for(self, pending: _PendingStep):
+        """The pending step's answer: the answers of the steps sent before it are taken first, in order."""
+        while pending.answer is None:
+            oldest = self.unanswered.popleft()
+            try:
+                answer = next(self.answers)
+            except grpc.RpcError as error:
+                self._break(oldest, f"{error.code().name}: {error.details()}")
+                continue
+            except StopIteration:
+                self._break(oldest, "the executor ended the stream")
+                continue
+            if answer.step_id != oldest.step_id:
+                self._break(oldest, f"step {oldest.step_id} was answered as step {answer.step_id}")
+                continue
+            oldest.answer = answer
+        return pending.answer
+
+    def _break(self, oldest: _PendingStep, reason: str) -> None:
+        for pending in [oldest, *self.unanswered]:
+            pending.answer = ExecutorUnavailable(reason)
+        self.unanswered.clear()
+        self.broken = True
+        self.closed.set()
+        self.outgoing.put(None)
+        self.answers.cancel()
+
+    def _watch(self) -> None:
+        """Cancels the stream (so that the engine loop's wait ends) when the oldest step is overdue."""
+        while not self.closed.wait(WATCH_EVERY_S):
+            unanswered = list(self.unanswered)
+            if unanswered and time.monotonic() - unanswered[0].sent_at > RPC_TIMEOUT_S:
+                self.answers.cancel()
+                return
 
 
 class _Connection:
@@ -95,17 +172,29 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.owners: dict[str, _Connection] = {}
         self.owners_lock = threading.Lock()
         self.draining = False
-        self.loop = EngineLoop(scheduler, backends.execute, self._publish, backends.executor_epoch)
+        self.loop = EngineLoop(scheduler, backends.submit, self._publish, backends.executor_epoch,
+                               async_scheduling=scheduler.config.async_scheduling)
 
     def Connect(self, request_iterator, context):
         connection = _Connection()
         reader = threading.Thread(target=self._read, args=(request_iterator, connection), daemon=True)
         reader.start()
         while True:
-            update = connection.outbox.get()
-            if update is None:
+            outputs = connection.outbox.get()
+            if outputs is None:
                 return
-            yield update
+            # Whatever else has come meanwhile goes out in the same update.
+            closed = False
+            while not closed:
+                try:
+                    more = connection.outbox.get_nowait()
+                except queue.Empty:
+                    break
+                closed = more is None
+                outputs += more or []
+            yield _update(outputs)
+            if closed:
+                return
 
     def _read(self, request_iterator, connection: _Connection) -> None:
         try:
@@ -133,7 +222,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 output_token_ids=list(add.output_token_ids), priority=add.priority,
             )
         except ValueError as error:
-            self._send(connection, [RequestOutput(add.request_id, [], finish_reason="error", error=str(error))])
+            connection.outbox.put([RequestOutput(add.request_id, [], finish_reason="error", error=str(error))])
             return
         with self.owners_lock:
             refusal = None
@@ -146,7 +235,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.owners[add.request_id] = connection
                 connection.request_ids.add(add.request_id)
         if refusal is not None:
-            self._send(connection, [refusal])
+            connection.outbox.put([refusal])
             return
         self.loop.add(request)
 
@@ -162,6 +251,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return not self.scheduler.has_unfinished_requests() and not self.scheduler.pending_frees
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Hands each frontend its requests' outputs (its stream converts and sends them)."""
         by_connection: dict[int, tuple[_Connection, list[RequestOutput]]] = {}
         with self.owners_lock:
             for output in outputs:
@@ -173,14 +263,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     connection.request_ids.discard(output.request_id)
                 by_connection.setdefault(id(connection), (connection, []))[1].append(output)
         for connection, items in by_connection.values():
-            self._send(connection, items)
-
-    @staticmethod
-    def _send(connection: _Connection, outputs: list[RequestOutput]) -> None:
-        update = scheduler_pb2.SchedulerUpdate()
-        for output in outputs:
-            request_output_to_proto(output, update.outputs.add())
-        connection.outbox.put(update)
+            connection.outbox.put(items)
 
     def GetStats(self, request, context):
         return scheduler_pb2.SchedulerStats(
@@ -192,3 +275,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def GetInfo(self, request, context):
         return self.info
+
+
+def _update(outputs: list[RequestOutput]) -> scheduler_pb2.SchedulerUpdate:
+    """One update for the outputs of one or more steps (a request's joined into one)."""
+    update = scheduler_pb2.SchedulerUpdate()
+    for output in join_outputs(outputs):
+        request_output_to_proto(output, update.outputs.add())
+    return update

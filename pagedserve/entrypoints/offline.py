@@ -1,5 +1,9 @@
 """The offline engine: the scheduler, block manager and model runner of the services, in one process.
 
+The scheduler's engine loop drives the steps on the caller's thread. With async_scheduling (the default)
+the model runs each step on a worker thread of its own while the loop plans the next one, as the services
+do; without, each step runs to its end before the next is planned.
+
     from pagedserve import LLM, SamplingParams
     llm = LLM()                      # the default model (SmolLM2-135M-Instruct) on the CPU
     [result] = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
@@ -9,8 +13,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from executor_svc.build import build_model_runner
 from executor_svc.server import executor_info
@@ -20,6 +27,7 @@ from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
 from scheduler_svc.build import build_scheduler
+from scheduler_svc.engine_loop import CompletedCall, EngineLoop
 from scheduler_svc.request import Request
 
 
@@ -56,6 +64,16 @@ class LLM:
         info = executor_info(self.runner)
         self.block_manager = build_block_manager(cache_config, info)
         self.scheduler = build_scheduler(self.config.scheduler_config, info, self.block_manager.step)
+        async_scheduling = self.config.scheduler_config.async_scheduling
+        if async_scheduling:
+            # One thread runs every step (torch's OpenMP pool belongs to the thread that uses it).
+            initializer = (lambda: torch.cuda.set_device(self.runner.device)) if self.runner.device.type == "cuda" else None
+            self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-steps", initializer=initializer)
+            submit = lambda step: self._steps.submit(self.runner.execute, step)  # noqa: E731
+        else:
+            submit = lambda step: CompletedCall(self.runner.execute, step)  # noqa: E731
+        self.engine = EngineLoop(self.scheduler, submit, publish=lambda outputs: None,
+                                 executor_epoch=lambda: info.epoch, async_scheduling=async_scheduling)
         # A checkpoint without tokenizer files still serves prompts given as token ids (text stays "").
         tokenizer_dir = Path(model_config.tokenizer or self.runner.model_dir)
         has_tokenizer = any((tokenizer_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
@@ -116,8 +134,8 @@ class LLM:
             siblings[choices[0].request_id] = choices[1:]
             prompt_choices.append([request.request_id for request in choices])
 
-        while self.scheduler.has_unfinished_requests():
-            for output in self.scheduler.step(self.runner.execute):
+        while self.engine.has_work():
+            for output in self.engine.step():
                 for sibling in siblings.pop(output.request_id, []):
                     self.scheduler.add_request(sibling)
                 result = results[output.request_id]

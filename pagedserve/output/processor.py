@@ -29,6 +29,9 @@ class OutputDelta:
     # A stop string ended the request here, which the scheduler does not know: abort it there, or
     # it keeps generating tokens nobody will see.
     abort: bool = False
+    # Of the new token ids fed, how many are output: fewer when a stop string ended the request part-way
+    # through them (None: all).
+    num_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,6 +58,21 @@ class RequestOutputState:
         self.num_output_tokens = 0
 
     def update(self, new_token_ids: list[int], finish_reason: str | None = None) -> OutputDelta:
+        """new_token_ids may hold the tokens of several steps (a reader that fell behind gets them joined):
+        with stop strings they are then fed one at a time, so that the request ends at the token that
+        completes one, as it would have step by step."""
+        if self.stops is None or len(new_token_ids) <= 1:
+            return self._update(new_token_ids, finish_reason)
+        text = ""
+        for i, token_id in enumerate(new_token_ids):
+            delta = self._update([token_id], finish_reason if i == len(new_token_ids) - 1 else None)
+            text += delta.text
+            if delta.finished:
+                delta.text, delta.num_tokens = text, i + 1
+                return delta
+        return OutputDelta(text)
+
+    def _update(self, new_token_ids: list[int], finish_reason: str | None) -> OutputDelta:
         self.num_output_tokens += len(new_token_ids)
         text = ""
         if self.detokenizer is not None:

@@ -25,35 +25,39 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/executor.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\xa1\x02\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\x05\x12\x15\n\rnew_block_ids\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\x12\x31\n\x0bload_blocks\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x18\n\x10prefix_token_ids\x18\t \x03(\x05\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\"\xb9\x02\n\x0b\x45xecuteStep\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.pagedserve.v1.ExecuteRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12\x31\n\x0bsave_blocks\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x37\n\x11save_blocks_after\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x16\n\x0e\x65xecutor_epoch\x18\x05 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x12.\n\x08swap_out\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x11\n\tswap_free\x18\x08 \x03(\x0c\"\xa6\x04\n\rExecuteResult\x12:\n\x07sampled\x18\x01 \x03(\x0b\x32).pagedserve.v1.ExecuteResult.SampledEntry\x12\x1a\n\x12num_prefill_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_decode_tokens\x18\x03 \x01(\x05\x12\x19\n\x11num_loaded_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_failed_loads\x18\x05 \x01(\x05\x12<\n\x08rejected\x18\x06 \x03(\x0b\x32*.pagedserve.v1.ExecuteResult.RejectedEntry\x12I\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x30.pagedserve.v1.ExecuteResult.PromptLogprobsEntry\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x08 \x03(\t\x1aK\n\x0cSampledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob:\x02\x38\x01\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1aT\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs:\x02\x38\x01\"\x15\n\x13\x45xecutorInfoRequest\"\xd1\x04\n\x0c\x45xecutorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x1a\n\x12num_prefill_tokens\x18\x0b \x01(\x03\x12\x19\n\x11num_decode_tokens\x18\x0c \x01(\x03\x12\x0f\n\x07offload\x18\r \x01(\t\x12\x14\n\x0c\x62locks_saved\x18\x0e \x01(\x03\x12\x15\n\rblocks_loaded\x18\x0f \x01(\x03\x12\x14\n\x0c\x66\x61iled_loads\x18\x10 \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x11 \x01(\x03\x12\x13\n\x0btier_errors\x18\x12 \x01(\x03\x12\x1f\n\x17offload_capacity_blocks\x18\x13 \x01(\x03\x12\x19\n\x11offload_redis_url\x18\x14 \x01(\t\x12\x10\n\x08model_id\x18\x15 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x16 \x01(\x03\x12\r\n\x05\x65poch\x18\x17 \x01(\t\x12\x1c\n\x14swap_capacity_blocks\x18\x18 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x19 \x01(\x01\x12\x18\n\x10\x63opy_bytes_per_s\x18\x1a \x01(\x01\x32\x9b\x01\n\x08\x45xecutor\x12\x43\n\x07\x45xecute\x12\x1a.pagedserve.v1.ExecuteStep\x1a\x1c.pagedserve.v1.ExecuteResult\x12J\n\x07GetInfo\x12\".pagedserve.v1.ExecutorInfoRequest\x1a\x1b.pagedserve.v1.ExecutorInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/executor.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\xb7\x02\n\x0e\x45xecuteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\x05\x12\x15\n\rnew_block_ids\x18\x04 \x03(\x05\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x07 \x01(\x05\x12\x31\n\x0bload_blocks\x18\x08 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x18\n\x10prefix_token_ids\x18\t \x03(\x05\x12\x14\n\x0c\x66\x65\x65\x64_sampled\x18\n \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\"n\n\nDecodeRows\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x11\n\tpositions\x18\x02 \x03(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\nblock_rows\x18\x04 \x03(\x05\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\"\xf6\x02\n\x0b\x45xecuteStep\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.pagedserve.v1.ExecuteRequest\x12*\n\x07\x64\x65\x63odes\x18\t \x01(\x0b\x32\x19.pagedserve.v1.DecodeRows\x12\x1c\n\x14\x66inished_request_ids\x18\x02 \x03(\t\x12\x31\n\x0bsave_blocks\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x37\n\x11save_blocks_after\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x16\n\x0e\x65xecutor_epoch\x18\x05 \x01(\t\x12\x14\n\x0cscheduler_id\x18\x06 \x01(\t\x12\x0f\n\x07step_id\x18\x07 \x01(\x03\x12.\n\x08swap_out\x18\n \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x11\n\tswap_free\x18\x0b \x03(\x0c\"\xb7\x05\n\rExecuteResult\x12\x1b\n\x13sampled_request_ids\x18\x07 \x03(\t\x12\x19\n\x11sampled_token_ids\x18\x08 \x03(\x05\x12K\n\x10sampled_logprobs\x18\t \x03(\x0b\x32\x31.pagedserve.v1.ExecuteResult.SampledLogprobsEntry\x12\x1a\n\x12num_prefill_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_decode_tokens\x18\x03 \x01(\x05\x12\x19\n\x11num_loaded_blocks\x18\x04 \x01(\x05\x12\x18\n\x10num_failed_loads\x18\x05 \x01(\x05\x12<\n\x08rejected\x18\x06 \x03(\x0b\x32*.pagedserve.v1.ExecuteResult.RejectedEntry\x12\x0f\n\x07step_id\x18\n \x01(\x03\x12\'\n\x05\x65rror\x18\x0b \x01(\x0b\x32\x18.pagedserve.v1.StepError\x12I\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x30.pagedserve.v1.ExecuteResult.PromptLogprobsEntry\x12\x10\n\x08\x64\x65\x66\x65rred\x18\r \x03(\t\x1aS\n\x14SampledLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob:\x02\x38\x01\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1aT\n\x13PromptLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12,\n\x05value\x18\x02 \x01(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs:\x02\x38\x01J\x04\x08\x01\x10\x02\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x15\n\x13\x45xecutorInfoRequest\"\xd1\x04\n\x0c\x45xecutorInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x1a\n\x12num_prefill_tokens\x18\x0b \x01(\x03\x12\x19\n\x11num_decode_tokens\x18\x0c \x01(\x03\x12\x0f\n\x07offload\x18\r \x01(\t\x12\x14\n\x0c\x62locks_saved\x18\x0e \x01(\x03\x12\x15\n\rblocks_loaded\x18\x0f \x01(\x03\x12\x14\n\x0c\x66\x61iled_loads\x18\x10 \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x11 \x01(\x03\x12\x13\n\x0btier_errors\x18\x12 \x01(\x03\x12\x1f\n\x17offload_capacity_blocks\x18\x13 \x01(\x03\x12\x19\n\x11offload_redis_url\x18\x14 \x01(\t\x12\x10\n\x08model_id\x18\x15 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x16 \x01(\x03\x12\r\n\x05\x65poch\x18\x17 \x01(\t\x12\x1c\n\x14swap_capacity_blocks\x18\x18 \x01(\x03\x12\x1c\n\x14prefill_tokens_per_s\x18\x19 \x01(\x01\x12\x18\n\x10\x63opy_bytes_per_s\x18\x1a \x01(\x01\x32\x9f\x01\n\x08\x45xecutor\x12G\n\x07\x45xecute\x12\x1a.pagedserve.v1.ExecuteStep\x1a\x1c.pagedserve.v1.ExecuteResult(\x01\x30\x01\x12J\n\x07GetInfo\x12\".pagedserve.v1.ExecutorInfoRequest\x1a\x1b.pagedserve.v1.ExecutorInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.executor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EXECUTERESULT_SAMPLEDENTRY']._loaded_options = None
-  _globals['_EXECUTERESULT_SAMPLEDENTRY']._serialized_options = b'8\001'
+  _globals['_EXECUTERESULT_SAMPLEDLOGPROBSENTRY']._loaded_options = None
+  _globals['_EXECUTERESULT_SAMPLEDLOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_EXECUTERESULT_REJECTEDENTRY']._loaded_options = None
   _globals['_EXECUTERESULT_REJECTEDENTRY']._serialized_options = b'8\001'
   _globals['_EXECUTERESULT_PROMPTLOGPROBSENTRY']._loaded_options = None
   _globals['_EXECUTERESULT_PROMPTLOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_EXECUTEREQUEST']._serialized_start=76
-  _globals['_EXECUTEREQUEST']._serialized_end=365
-  _globals['_EXECUTESTEP']._serialized_start=368
-  _globals['_EXECUTESTEP']._serialized_end=681
-  _globals['_EXECUTERESULT']._serialized_start=684
-  _globals['_EXECUTERESULT']._serialized_end=1234
-  _globals['_EXECUTERESULT_SAMPLEDENTRY']._serialized_start=1024
-  _globals['_EXECUTERESULT_SAMPLEDENTRY']._serialized_end=1099
-  _globals['_EXECUTERESULT_REJECTEDENTRY']._serialized_start=1101
-  _globals['_EXECUTERESULT_REJECTEDENTRY']._serialized_end=1148
-  _globals['_EXECUTERESULT_PROMPTLOGPROBSENTRY']._serialized_start=1150
-  _globals['_EXECUTERESULT_PROMPTLOGPROBSENTRY']._serialized_end=1234
-  _globals['_EXECUTORINFOREQUEST']._serialized_start=1236
-  _globals['_EXECUTORINFOREQUEST']._serialized_end=1257
-  _globals['_EXECUTORINFO']._serialized_start=1260
-  _globals['_EXECUTORINFO']._serialized_end=1853
-  _globals['_EXECUTOR']._serialized_start=1856
-  _globals['_EXECUTOR']._serialized_end=2011
+  _globals['_EXECUTEREQUEST']._serialized_end=387
+  _globals['_DECODEROWS']._serialized_start=389
+  _globals['_DECODEROWS']._serialized_end=499
+  _globals['_EXECUTESTEP']._serialized_start=502
+  _globals['_EXECUTESTEP']._serialized_end=876
+  _globals['_EXECUTERESULT']._serialized_start=879
+  _globals['_EXECUTERESULT']._serialized_end=1574
+  _globals['_EXECUTERESULT_SAMPLEDLOGPROBSENTRY']._serialized_start=1350
+  _globals['_EXECUTERESULT_SAMPLEDLOGPROBSENTRY']._serialized_end=1433
+  _globals['_EXECUTERESULT_REJECTEDENTRY']._serialized_start=1435
+  _globals['_EXECUTERESULT_REJECTEDENTRY']._serialized_end=1482
+  _globals['_EXECUTERESULT_PROMPTLOGPROBSENTRY']._serialized_start=1484
+  _globals['_EXECUTERESULT_PROMPTLOGPROBSENTRY']._serialized_end=1568
+  _globals['_STEPERROR']._serialized_start=1576
+  _globals['_STEPERROR']._serialized_end=1618
+  _globals['_EXECUTORINFOREQUEST']._serialized_start=1620
+  _globals['_EXECUTORINFOREQUEST']._serialized_end=1641
+  _globals['_EXECUTORINFO']._serialized_start=1644
+  _globals['_EXECUTORINFO']._serialized_end=2237
+  _globals['_EXECUTOR']._serialized_start=2240
+  _globals['_EXECUTOR']._serialized_end=2399
 # @@protoc_insertion_point(module_scope)

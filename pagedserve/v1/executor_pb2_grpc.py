@@ -34,7 +34,7 @@ class ExecutorStub(object):
         Args:
             channel: A grpc.Channel.
         """
-        self.Execute = channel.unary_unary(
+        self.Execute = channel.stream_stream(
                 '/pagedserve.v1.Executor/Execute',
                 request_serializer=pagedserve_dot_v1_dot_executor__pb2.ExecuteStep.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_executor__pb2.ExecuteResult.FromString,
@@ -49,8 +49,12 @@ class ExecutorStub(object):
 class ExecutorServicer(object):
     """Missing associated documentation comment in .proto file."""
 
-    def Execute(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Execute(self, request_iterator, context):
+        """One stream per scheduler: it sends its steps in the order it plans them, the next one before the one
+        before it has come back (steps planned ahead); the executor runs them in that order and answers each
+        in turn. A step that fails says so in its answer and the stream goes on; a stream that breaks leaves
+        every step still unanswered in doubt.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -64,7 +68,7 @@ class ExecutorServicer(object):
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Execute': grpc.unary_unary_rpc_method_handler(
+            'Execute': grpc.stream_stream_rpc_method_handler(
                     servicer.Execute,
                     request_deserializer=pagedserve_dot_v1_dot_executor__pb2.ExecuteStep.FromString,
                     response_serializer=pagedserve_dot_v1_dot_executor__pb2.ExecuteResult.SerializeToString,
@@ -86,7 +90,7 @@ class Executor(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Execute(request,
+    def Execute(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -96,8 +100,8 @@ class Executor(object):
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/pagedserve.v1.Executor/Execute',
             pagedserve_dot_v1_dot_executor__pb2.ExecuteStep.SerializeToString,

@@ -7,27 +7,37 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BlockRequest(_message.Message):
-    __slots__ = ("request_id", "num_tokens", "prompt_token_ids", "cache_salt", "new_token_ids", "new_tokens_start")
+    __slots__ = ("request_id", "num_tokens", "prompt_token_ids", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NEW_TOKENS_START_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_tokens: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class RunningRequests(_message.Message):
+    __slots__ = ("request_ids", "num_tokens", "num_new_tokens", "new_tokens_starts", "new_token_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_STARTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_tokens_starts: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    new_tokens_start: int
-    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_tokens_start: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_tokens_starts: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStepRequest(_message.Message):
-    __slots__ = ("scheduler_id", "executor_epoch", "step_id", "executed_step_id", "failed_request_ids", "planned_step_id", "free_request_ids", "running", "waiting")
+    __slots__ = ("scheduler_id", "executor_epoch", "step_id", "executed_step_ids", "failed_request_ids", "planned_step_id", "free_request_ids", "running", "waiting")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    EXECUTED_STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    EXECUTED_STEP_IDS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -36,13 +46,13 @@ class BlockStepRequest(_message.Message):
     scheduler_id: str
     executor_epoch: str
     step_id: int
-    executed_step_id: int
+    executed_step_ids: _containers.RepeatedScalarFieldContainer[int]
     failed_request_ids: _containers.RepeatedScalarFieldContainer[str]
     planned_step_id: int
     free_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    running: _containers.RepeatedCompositeFieldContainer[BlockRequest]
+    running: RunningRequests
     waiting: _containers.RepeatedCompositeFieldContainer[BlockRequest]
-    def __init__(self, scheduler_id: _Optional[str] = ..., executor_epoch: _Optional[str] = ..., step_id: _Optional[int] = ..., executed_step_id: _Optional[int] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., planned_step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., running: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ..., waiting: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, scheduler_id: _Optional[str] = ..., executor_epoch: _Optional[str] = ..., step_id: _Optional[int] = ..., executed_step_ids: _Optional[_Iterable[int]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., planned_step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., running: _Optional[_Union[RunningRequests, _Mapping]] = ..., waiting: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
 
 class BlockDelta(_message.Message):
     __slots__ = ("block_ids", "num_cached_tokens", "tier_loads")

@@ -313,3 +313,26 @@ def test_prompts_without_a_tokenizer_must_be_token_ids(tiny_llm):
     assert len(result.token_ids) == 3 and result.text == ""
     with pytest.raises(ValueError, match="tokenizer"):
         tiny_llm.generate([[3, 4, 5]], SamplingParams(stop=["x"]))
+
+
+def test_steps_planned_ahead_give_the_outputs_of_one_step_at_a_time(smollm2):
+    """The same batch with and without async scheduling: greedy tokens, texts and finish reasons alike,
+    including a structured request, whose grammar accepts its end a step before the engine knows it."""
+    sync = LLM("default", device="cpu", dtype="float32", kv_cache_memory=128 << 20, async_scheduling=False)
+    assert smollm2.config.scheduler_config.async_scheduling and not sync.config.scheduler_config.async_scheduling
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:2]]
+    conversations.append([{"role": "user", "content": "Describe a person as JSON with a name and an age."}])
+    params = [SamplingParams(temperature=0, max_tokens=40, stop=["\n\n"]), SamplingParams(temperature=0, max_tokens=40),
+              SamplingParams(temperature=0, max_tokens=64, json_schema=json.dumps(person))]
+    results = [llm.chat(conversations, params) for llm in (smollm2, sync)]
+    for ahead, one_by_one in zip(*results):
+        assert (ahead.token_ids, ahead.text, ahead.finish_reason) == (
+            one_by_one.token_ids, one_by_one.text, one_by_one.finish_reason)
+    structured = results[0][2]
+    assert structured.finish_reason == "stop" and set(json.loads(structured.text)) == {"name", "age"}
+    # Every block came back (the step planned ahead for a finished request included).
+    manager = smollm2.block_manager
+    assert manager.num_requests == 0 and manager.num_free_blocks == manager.num_blocks

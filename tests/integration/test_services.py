@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -232,8 +233,18 @@ def test_offline_stop_strings_give_the_generate_apis_output(stack, client, llm):
     assert wait_for(lambda: kv_stats(stack).num_requests == 0)
 
 
+def settled_stats(stack) -> scheduler_pb2.SchedulerStats:
+    """The scheduler's stats once nothing runs and every step it planned has come back and been applied
+    (with steps planned ahead, up to two may be out at any moment)."""
+    def settled():
+        stats = scheduler_stats(stack)
+        return stats.num_running == 0 and stats.kv_rpcs == stats.executor_rpcs == stats.num_steps
+    assert wait_for(settled)
+    return scheduler_stats(stack)
+
+
 def test_two_rpcs_per_step_whatever_the_batch_size(stack, client):
-    before = scheduler_stats(stack)
+    before = settled_stats(stack)
     threads = [
         threading.Thread(target=client.generate, args=(build_request(
             prompt_token_ids=[100 + i, 200, 300], temperature=0.0, max_tokens=8, ignore_eos=True),))
@@ -243,8 +254,7 @@ def test_two_rpcs_per_step_whatever_the_batch_size(stack, client):
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert wait_for(lambda: scheduler_stats(stack).num_running == 0)
-    after = scheduler_stats(stack)
+    after = settled_stats(stack)
     steps = after.num_steps - before.num_steps
     assert steps > 0
     assert after.kv_rpcs - before.kv_rpcs == steps
@@ -264,3 +274,25 @@ def test_shared_prefix_is_served_from_the_cache_and_counted(stack, client):
     assert middle.prefix_cache_hits == before.prefix_cache_hits
     assert after.prefix_cache_hits - middle.prefix_cache_hits == 64
     assert after.prefix_cache_queries - middle.prefix_cache_queries == 66
+
+
+def test_one_step_at_a_time_streams_what_steps_planned_ahead_stream(stack, client):
+    """The same concurrent streams through a stack without async scheduling: the same tokens, texts and finish
+    reasons (requests ending on EOS, on a stop string and on max_tokens among them), and the pools idle."""
+    requests = [build_request(messages=[{"role": "user", "content": prompt}], temperature=0.0, max_tokens=40)
+                for prompt in PROMPTS]
+    requests += [build_request(prompt="1, 2, 3, 4,", temperature=0.0, max_tokens=20, stop=[" 7"]),
+                 build_request(prompt_token_ids=[100, 200, 300], temperature=0.0, max_tokens=9, ignore_eos=True)]
+
+    def run_all(generate_client) -> list:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            return [(c.token_ids, c.text, c.finish_reason) for c in pool.map(generate_client.generate, requests)]
+
+    ahead = run_all(client)
+    assert {finish for _, _, finish in ahead} == {"stop", "length"}
+    config = PagedServeConfig.from_kwargs(model="default", device="cpu", dtype="float32", port=0,
+                                          kv_cache_memory=256 << 20, log_level="WARNING", async_scheduling=False)
+    with Stack(config) as one_at_a_time, GenerateClient(one_at_a_time.address) as other:
+        assert run_all(other) == ahead
+        assert wait_for(lambda: kv_stats(one_at_a_time).num_requests == 0)
+    assert wait_for(lambda: kv_stats(stack).num_requests == 0)

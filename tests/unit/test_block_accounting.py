@@ -1,7 +1,7 @@
 """The scheduler and the block manager together, under shared prefixes, salts, cancels and a pool a quarter
 of what the load needs: the block manager is the only one that counts blocks, preemption takes the newest
 running request (under the priority policy: the lowest priority, then the newest), outputs are those of an
-unconstrained run, and every block is accounted for at every step."""
+unconstrained run, and every block is accounted for at every step; with steps planned ahead too."""
 from __future__ import annotations
 
 import random
@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.step import BlockStepRequest, BlockStepResult
 from pagedserve.sampling_params import SamplingParams
+from scheduler_svc.engine_loop import CompletedCall, EngineLoop
 from scheduler_svc.request import Request
 from tests.unit.test_scheduler import EOS, CheckingExecutor
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -79,6 +80,7 @@ def expected_output(prompt: list[int], executor: CheckingExecutor) -> list[int]:
 
 class SharedPrefixQuarterPool(RuleBasedStateMachine):
     policy = "fcfs"
+    async_scheduling = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -93,6 +95,8 @@ class SharedPrefixQuarterPool(RuleBasedStateMachine):
             self.observed.step,
         )
         self.executor = CheckingExecutor(self.manager, BLOCK_SIZE)
+        self.loop = EngineLoop(self.scheduler, lambda step: CompletedCall(self.executor, step), lambda outputs: None,
+                               lambda: "", self.async_scheduling)
         self.prompts: dict[str, list[int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
@@ -115,7 +119,7 @@ class SharedPrefixQuarterPool(RuleBasedStateMachine):
     @rule(num_steps=st.integers(1, 6))
     def step(self, num_steps):
         for _ in range(num_steps):
-            self._record(self.scheduler.step(self.executor))
+            self._record(self.loop.step())
 
     @precondition(lambda self: self.scheduler.requests)
     @rule(data=st.data())
@@ -149,9 +153,8 @@ class SharedPrefixQuarterPool(RuleBasedStateMachine):
             assert tokens == expected_output(self.prompts[request_id], self.executor)[: len(tokens)]
 
     def teardown(self):
-        while self.scheduler.has_unfinished_requests():
-            self._record(self.scheduler.step(self.executor))
-        self.scheduler.step(self.executor)  # hands the last finished requests' blocks back
+        while self.loop.has_work():  # (the last step hands the last finished requests' blocks back)
+            self._record(self.loop.step())
         for request_id, tokens in self.outputs.items():
             if self.finish_reasons[request_id] != "abort":
                 assert self.finish_reasons[request_id] == "length"
@@ -172,7 +175,25 @@ SharedPrefixQuarterPoolByPriority.TestCase.settings = SharedPrefixQuarterPool.Te
 TestSharedPrefixQuarterPoolByPriority = SharedPrefixQuarterPoolByPriority.TestCase
 
 
-@pytest.mark.parametrize("machine_class", [SharedPrefixQuarterPool, SharedPrefixQuarterPoolByPriority])
+class SharedPrefixQuarterPoolPlannedAhead(SharedPrefixQuarterPool):
+    async_scheduling = True
+
+
+SharedPrefixQuarterPoolPlannedAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
+TestSharedPrefixQuarterPoolPlannedAhead = SharedPrefixQuarterPoolPlannedAhead.TestCase
+
+
+class SharedPrefixQuarterPoolByPriorityPlannedAhead(SharedPrefixQuarterPoolByPriority):
+    async_scheduling = True
+
+
+SharedPrefixQuarterPoolByPriorityPlannedAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
+TestSharedPrefixQuarterPoolByPriorityPlannedAhead = SharedPrefixQuarterPoolByPriorityPlannedAhead.TestCase
+
+
+@pytest.mark.parametrize("machine_class", [SharedPrefixQuarterPool, SharedPrefixQuarterPoolByPriority,
+                                           SharedPrefixQuarterPoolPlannedAhead,
+                                           SharedPrefixQuarterPoolByPriorityPlannedAhead])
 def test_the_quarter_pool_does_preempt(machine_class):
     """The machines above are only meaningful if their pool really runs short: one fixed run shows it does."""
     machine = machine_class()

@@ -144,3 +144,46 @@ def test_random_requests_never_share_or_lose_blocks(ops):
         assert len(held) == len(set(held))
         assert len(held) + manager.num_free_blocks == manager.num_blocks
         assert sorted(running) == sorted(manager.requests)
+
+
+# ----------------------------------------------------------------------------- indexing only what ran
+
+
+def test_blocks_are_indexed_once_their_step_is_reported_run_even_two_calls_on():
+    """Steps planned ahead: the call that plans step 3 reports step 1 run; step 2's blocks wait for it."""
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    manager.step(BlockStepRequest(step_id=1, waiting=[admit("a", 9, list(range(9)))]))  # fills blocks 0, 1
+    manager.step(BlockStepRequest(step_id=2, planned_step_id=1, running=[
+        BlockRequest("a", 13, new_token_ids=[9, 10, 11], new_tokens_start=9)]))  # fills block 2
+    assert manager.block_pool.cached_blocks == {}
+    manager.step(BlockStepRequest(step_id=3, planned_step_id=2, executed_step_ids=[1], running=[BlockRequest("a", 13)]))
+    assert len(manager.block_pool.cached_blocks) == 2
+    manager.step(BlockStepRequest(step_id=4, planned_step_id=3, executed_step_ids=[2], running=[BlockRequest("a", 13)]))
+    assert len(manager.block_pool.cached_blocks) == 3
+    assert len(manager.requests["a"].block_hashes) == 3
+
+
+def test_a_step_that_did_not_run_gets_its_blocks_named_again_and_indexed_by_one_that_did():
+    manager = KVCacheManager(num_blocks=16, block_size=4)
+    manager.step(BlockStepRequest(step_id=1, waiting=[admit("a", 9, list(range(9)))]))
+    manager.step(BlockStepRequest(step_id=2, planned_step_id=1, running=[BlockRequest("a", 9)]))
+    # Step 1 failed (it is not among the steps that ran), step 2 ran: nothing is indexed yet, because step 2
+    # named no block (step 1 had named them); the next call names them again, and they are indexed once
+    # that call's step has run.
+    manager.step(BlockStepRequest(step_id=3, planned_step_id=2, executed_step_ids=[2], running=[BlockRequest("a", 9)]))
+    assert manager.block_pool.cached_blocks == {}
+    manager.step(BlockStepRequest(step_id=4, planned_step_id=3, executed_step_ids=[3], running=[BlockRequest("a", 9)]))
+    assert len(manager.block_pool.cached_blocks) == 2
+
+
+def test_with_two_calls_out_each_filled_block_is_written_through_once():
+    from kvcache_svc.offload_index import LocalTierIndex
+
+    manager = KVCacheManager(num_blocks=16, block_size=4, tier=LocalTierIndex(64), write_through=True)
+    first = manager.step(BlockStepRequest(step_id=1, waiting=[admit("a", 9, list(range(9)))]))
+    second = manager.step(BlockStepRequest(step_id=2, planned_step_id=1, running=[
+        BlockRequest("a", 13, new_token_ids=[9, 10, 11], new_tokens_start=9)]))
+    third = manager.step(BlockStepRequest(step_id=3, planned_step_id=2, executed_step_ids=[1],
+                                          running=[BlockRequest("a", 14, new_token_ids=[12], new_tokens_start=12)]))
+    saved = [t.block_id for result in (first, second, third) for t in result.saves_after]
+    assert saved == manager.block_ids("a")[:3]

@@ -64,6 +64,23 @@ def test_stop_string_over_several_tokens_ends_at_the_token_that_completes_it(tok
     assert (last.finish_reason, last.abort, last.usage) == ("stop", True, Usage(len(prompt_ids), k + 1))
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_tokens_of_several_steps_at_once_end_at_the_token_that_completes_a_stop_string(tok, prompt_ids, include):
+    """A reader that fell behind gets several steps' tokens joined: the request ends where it would have
+    step by step, and the tokens after the one that completed the stop string are not output."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    params = SamplingParams(stop=[STOP], include_stop_str_in_output=include)
+    k = completing_index(tok, ids, STOP)
+    step_by_step = feed(RequestOutputState(tok, prompt_ids, params), ids)
+    state = RequestOutputState(tok, prompt_ids, params)
+    first = state.update(ids[:k - 1])  # before the stop string is complete: all of them count
+    joined = state.update(ids[k - 1:k + 3])  # completes it with its second token; two more came with it
+    assert first.num_tokens is None and not first.finished
+    assert (joined.num_tokens, joined.finish_reason, joined.abort) == (2, "stop", True)
+    assert first.text + joined.text == "".join(d.text for d in step_by_step)
+    assert joined.usage == step_by_step[-1].usage == Usage(len(prompt_ids), k + 1)
+
+
 def test_stop_string_completed_by_the_last_token_wins_over_length(tok, prompt_ids):
     ids = tok.encode(TEXT, add_special_tokens=False)
     stop = "after it."

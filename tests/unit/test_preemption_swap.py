@@ -26,13 +26,13 @@ class Calls:
     def __init__(self, manager: KVCacheManager) -> None:
         self.manager = manager
         self.step_id = 0
-        self.executed = 0
 
     def __call__(self, ran: bool = True, **kwargs):
-        if ran:
-            self.executed = self.step_id
+        # ran: the last call's step ran (and is reported); a step that did not run is given up once a later
+        # one is reported run.
+        executed = [self.step_id] if ran and self.step_id else []
         self.step_id += 1
-        return self.manager.step(BlockStepRequest(step_id=self.step_id, executed_step_id=self.executed,
+        return self.manager.step(BlockStepRequest(step_id=self.step_id, executed_step_ids=executed,
                                                   planned_step_id=self.step_id - 1, **kwargs))
 
 
@@ -119,11 +119,15 @@ def test_a_swap_whose_step_never_ran_is_recomputed_and_its_copies_freed():
     calls(running=[BlockRequest("a", 10)], waiting=[admit("b", list(range(200, 212)))])
     preempting = calls(running=[BlockRequest("b", 13), BlockRequest("a", 11)])
     assert len(preempting.swap_out) == 3
-    # That step never reached the executor: the copies may not exist.
-    lost = calls(ran=False, running=[BlockRequest("b", 13)])
+    # That step never reached the executor: the copies may not exist. That is known once a later step is
+    # reported run.
+    unknown = calls(ran=False, running=[BlockRequest("b", 13)])
+    assert unknown.swap_free == [] and "a" in calls.manager.swapped
+    lost = calls(running=[BlockRequest("b", 13)])
     assert lost.swap_free == a_hashes(calls.manager) and calls.manager.swapped == {}
-    again = calls(ran=False, running=[BlockRequest("b", 13)])
-    assert again.swap_free == a_hashes(calls.manager)  # that call did not run either: sent again
+    calls(ran=False, running=[BlockRequest("b", 13)])
+    again = calls(running=[BlockRequest("b", 13)])
+    assert again.swap_free == a_hashes(calls.manager)  # the call that sent them did not run: sent again
     resumed = resume_a(calls)
     assert resumed.num_cached_tokens["a"] < 10 and not resumed.tier_loads.get("a")
 
@@ -141,6 +145,27 @@ def test_only_tokens_of_steps_that_ran_are_swapped():
     calls(waiting=[admit("b", list(range(400, 410)))])  # b's step never runs either
     result = calls(ran=False, running=[BlockRequest("b", 20)])
     assert result.preempted_request_ids == ["b"] and result.swap_out == [] and "b" not in calls.manager.swapped
+
+
+def test_with_steps_planned_ahead_each_step_counts_once_reported_and_a_step_that_did_not_run_is_given_up():
+    manager = KVCacheManager(4, 4, model_id="test", preemption_mode="swap", swap_capacity_blocks=16)
+
+    def call(step_id: int, executed: list[int], received: int, **kwargs):
+        return manager.step(BlockStepRequest(step_id=step_id, executed_step_ids=executed, planned_step_id=received,
+                                             **kwargs))
+
+    call(1, [], 0, waiting=[admit("a", A_PROMPT + list(range(6)), num_tokens=10)])
+    call(2, [], 0, running=[BlockRequest("a", 16)])  # planned while step 1 is out
+    # Step 1 is reported, step 2 is still out: a (preempted here) has the 10 tokens of step 1 computed.
+    preempting = call(3, [1], 1, running=[BlockRequest("a", 17)])
+    assert preempting.preempted_request_ids == ["a"] and manager.swapped["a"].num_tokens == 10
+    assert [t.block_hash for t in preempting.swap_out] == a_hashes(manager)
+    # Step 2 ran; step 3, which carried the copies, is still out: the swap stands.
+    assert call(4, [2], 2).swap_free == [] and "a" in manager.swapped
+    # Step 4 is reported run and step 3 is not: step 3 never ran, its copies may not exist.
+    lost = call(5, [4], 4)
+    assert lost.swap_free == a_hashes(manager) and manager.swapped == {}
+    assert manager.stats()["swap_blocks_in_use"] == 0 and manager.num_free_blocks == 4
 
 
 def test_requests_sharing_a_prefix_share_its_copies():
@@ -162,7 +187,7 @@ def test_a_restored_manager_resumes_a_swapped_request_as_the_original_would():
     restored.import_state(saved)
     assert restored.export_state() == saved
     twin = Calls(restored)
-    twin.step_id = twin.executed = calls.step_id
+    twin.step_id = calls.step_id
     assert resume_a(twin) == resume_a(calls)
     assert restored.stats() == calls.manager.stats()
 

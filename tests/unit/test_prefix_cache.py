@@ -29,11 +29,15 @@ def test_hashes_are_stable_and_separate_salts_and_models():
 
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Admits, grows and finishes requests drawn from a few shared prefixes in a small pool, writing each
-    computed token into a model of the KV blocks, and checks the index never lies."""
+    computed token into a model of the KV blocks, and checks the index never lies. Each call says that the
+    step of the call `lag` calls before it ran (2: steps planned ahead)."""
+
+    lag = 1
 
     def __init__(self) -> None:
         super().__init__()
         self.manager = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, model_id="test")
+        self.num_calls = 0
         self.content: dict[int, list[int | None]] = {}  # block id -> token at each offset, as "computed"
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
@@ -54,7 +58,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         request_id = f"r{self.next_id}"
         self.next_id += 1
         tokens = self.prefixes[prefix][: 4 + len(suffix)] + suffix
-        result = self.manager.step(BlockStepRequest(waiting=[
+        result = self.call(BlockStepRequest(waiting=[
             BlockRequest(request_id, chunk, prompt_token_ids=tokens, cache_salt=salt)
         ]))
         if request_id not in result.new_block_ids:
@@ -83,8 +87,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             new_tokens = [data.draw(st.integers(0, 49))]
             tokens.extend(new_tokens)
         end = min(start + data.draw(st.integers(1, 6)), len(tokens))
-        result = self.manager.step(BlockStepRequest(running=[
-            BlockRequest(request_id, end, new_token_ids=new_tokens or None)
+        result = self.call(BlockStepRequest(running=[
+            BlockRequest(request_id, end, new_token_ids=new_tokens or None, new_tokens_start=len(tokens) - len(new_tokens))
         ]))
         if result.preempted_request_ids == [request_id]:
             assert self.manager.block_ids(request_id) == []
@@ -93,8 +97,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self._write(request_id, start, end)
         self.computed[request_id] = end
 
+    def call(self, request: BlockStepRequest):
+        """The manager's step, numbered; the step `lag` calls back ran (the test computes each at once)."""
+        self.num_calls += 1
+        request.step_id = self.num_calls
+        request.planned_step_id = self.num_calls - 1
+        request.executed_step_ids = [self.num_calls - self.lag] if self.num_calls > self.lag else []
+        return self.manager.step(request)
+
     def finish_request(self, request_id: str) -> None:
-        self.manager.step(BlockStepRequest(free_request_ids=[request_id]))
+        self.call(BlockStepRequest(free_request_ids=[request_id]))
         del self.computed[request_id], self.tokens[request_id]
 
     @rule(data=st.data())
@@ -117,6 +129,25 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
+
+
+class PrefixCacheMachinePlannedAhead(PrefixCacheMachine):
+    lag = 2
+
+
+PrefixCacheMachinePlannedAhead.TestCase.settings = PrefixCacheMachine.TestCase.settings
+TestPrefixCacheMachinePlannedAhead = PrefixCacheMachinePlannedAhead.TestCase
+
+
+def test_the_machine_does_index_blocks():
+    """The machines above are only meaningful if blocks get indexed: one fixed run shows they do."""
+    for machine_class in (PrefixCacheMachine, PrefixCacheMachinePlannedAhead):
+        machine = machine_class()
+        machine.admit(prefix=0, suffix=[1, 2, 3], salt=None, chunk=20)
+        for _ in range(machine.lag + 1):
+            machine.call(BlockStepRequest())
+        assert len(machine.manager.block_pool.cached_blocks) == 2  # the full blocks of the 10-token prompt
+        machine.index_is_truthful()
 
 
 # ----------------------------------------------------------------------------- through the engine

@@ -40,7 +40,7 @@ def test_generated_stubs_are_not_stale(tmp_path):
 
 def test_block_step_round_trip():
     request = BlockStepRequest(
-        scheduler_id="s", executor_epoch="e", step_id=8, executed_step_id=7, failed_request_ids=["f"],
+        scheduler_id="s", executor_epoch="e", step_id=8, executed_step_ids=[6, 7], failed_request_ids=["f"],
         planned_step_id=7,
         free_request_ids=["gone"],
         running=[BlockRequest("b", 5, new_token_ids=[9], new_tokens_start=4), BlockRequest("c", 8)],
@@ -48,12 +48,18 @@ def test_block_step_round_trip():
     )
     assert convert.block_step_request_from_proto(convert.block_step_request_to_proto(request)) == request
     result = BlockStepResult(
-        {"a": [4, 5], "b": []}, {"a": 32, "b": 0}, ["c"],
+        {"a": [4, 5], "b": [9]}, {"a": 32, "b": 0}, ["c"],
         tier_loads={"a": [BlockTransfer(4, b"\x01" * 32), BlockTransfer(5, b"\x09" * 32, num_tokens=3)]},
         saves_before=[BlockTransfer(7, b"\x02" * 32)], saves_after=[BlockTransfer(5, b"\x03" * 32)],
         swap_out=[BlockTransfer(6, b"\x07" * 32)], swap_free=[b"\x08" * 32],
     )
     assert convert.block_step_result_from_proto(convert.block_step_result_to_proto(result)) == result
+    # A running request served without new blocks needs no delta: it does not travel.
+    result.new_block_ids["d"], result.num_cached_tokens["d"] = [], 0
+    message = convert.block_step_result_to_proto(result)
+    assert "d" not in message.deltas
+    back = convert.block_step_result_from_proto(message)
+    assert "d" not in back.new_block_ids and back.new_block_ids.get("d", []) == []
 
 
 def test_execute_step_round_trip():
@@ -63,18 +69,28 @@ def test_execute_step_round_trip():
         requests=[
             ExecuteRequest("a", [1, 2, 3], 0, [7], True, params, prompt_len=3,
                            load_blocks=[BlockTransfer(7, b"\x04" * 32), BlockTransfer(8, b"\x09" * 32, 2)]),
-            ExecuteRequest("b", [9], 40, [], True, prompt_logprobs=True),
+            ExecuteRequest("c", [4, 5], 16, [], False),  # a prefill chunk that does not sample
+            ExecuteRequest("g", [6], 31, [], True, feed_sampled=True),  # not a decode: two tokens
+            ExecuteRequest("f", [9], 40, [], True, prompt_logprobs=True),  # not a decode: it asks for more
+            # Decodes go as parallel arrays, the sampled token fed in or a known one, new blocks sparse.
+            ExecuteRequest("b", [9], 40, [], True),
+            ExecuteRequest("d", [], 17, [3, 8], True, feed_sampled=True),
+            ExecuteRequest("e", [], 64, [], True, feed_sampled=True),
         ],
         finished_request_ids=["x"], executor_epoch="e1", scheduler_id="s1",
         save_blocks=[BlockTransfer(1, b"\x05" * 32)], save_blocks_after=[BlockTransfer(2, b"\x06" * 32)],
-        swap_out=[BlockTransfer(3, b"\x07" * 32)], swap_free=[b"\x08" * 32],
+        swap_out=[BlockTransfer(3, b"\x07" * 32)], swap_free=[b"\x08" * 32], step_id=12,
     )
-    assert convert.execute_step_from_proto(convert.execute_step_to_proto(step)) == (step, {})
+    message = convert.execute_step_to_proto(step)
+    assert [r.request_id for r in message.requests] == ["a", "c", "g", "f"]
+    assert list(message.decodes.request_ids) == ["b", "d", "e"] and list(message.decodes.token_ids) == [9, -1, -1]
+    assert list(message.decodes.block_rows) == [1, 1] and list(message.decodes.block_ids) == [3, 8]
+    assert convert.execute_step_from_proto(message) == (step, {})
     # A request whose sampling parameters do not validate is set aside alone, with the reason.
     message = convert.execute_step_to_proto(step)
     message.requests[0].sampling.temperature = -1.0
     back, rejected = convert.execute_step_from_proto(message)
-    assert [r.request_id for r in back.requests] == ["b"] and "temperature" in rejected["a"]
+    assert [r.request_id for r in back.requests] == ["c", "g", "f", "b", "d", "e"] and "temperature" in rejected["a"]
     result = ExecuteResult(
         sampled={"a": SampledToken(5, -0.25, [5, 6], [-0.25, -2.0]), "b": SampledToken(8), "c": SampledToken(1, 0.0, [], [])},
         num_prefill_tokens=3, num_decode_tokens=1, num_loaded_blocks=2, num_failed_loads=1,
@@ -84,6 +100,44 @@ def test_execute_step_round_trip():
     )
     back = convert.execute_result_from_proto(convert.execute_result_to_proto(result))
     assert back == result  # a logprob of exactly 0.0 is kept, not mistaken for "none asked"
+
+
+def test_running_requests_whose_arrays_do_not_line_up_are_refused_naming_the_field():
+    import pytest
+
+    request = BlockStepRequest(running=[BlockRequest("b", 5, new_token_ids=[9, 8], new_tokens_start=3)])
+    for field, value in (("num_tokens", [5, 6]), ("num_new_tokens", [3]), ("num_new_tokens", [-1])):
+        message = convert.block_step_request_to_proto(request)
+        getattr(message.running, field)[:] = value
+        with pytest.raises(ValueError, match=field):
+            convert.block_step_request_from_proto(message)
+
+
+def test_outputs_of_several_steps_are_joined_per_request():
+    from pagedserve.step import RequestOutput, join_outputs
+
+    token = lambda t: SampledToken(t, -0.5, [t], [-0.5])  # noqa: E731
+    outputs = [
+        RequestOutput("a", [1], [token(1)], num_output_tokens=1), RequestOutput("b", [7], num_output_tokens=4),
+        RequestOutput("a", [2], [token(2)], num_output_tokens=2),
+        RequestOutput("a", [], None, finish_reason="abort", num_output_tokens=2),
+        RequestOutput("b", [8], finish_reason="length", num_output_tokens=5),
+    ]
+    assert join_outputs(outputs) == [
+        RequestOutput("a", [1, 2], [token(1), token(2)], finish_reason="abort", num_output_tokens=2),
+        RequestOutput("b", [7, 8], finish_reason="length", num_output_tokens=5),
+    ]
+
+
+def test_decode_rows_that_do_not_line_up_are_refused_naming_the_field():
+    import pytest
+
+    step = ExecuteStep([ExecuteRequest("b", [], 40, [5], True, feed_sampled=True)])
+    for field, value in (("positions", [1, 2]), ("block_rows", [3])):
+        message = convert.execute_step_to_proto(step)
+        getattr(message.decodes, field)[:] = value
+        with pytest.raises(ValueError, match=field):
+            convert.execute_step_from_proto(message)
 
 
 def test_request_output_round_trip():

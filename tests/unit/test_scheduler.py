@@ -2,7 +2,9 @@
 
 The fake executor rebuilds every request's token sequence from the steps it receives (failing on a gap,
 an overlap or a slot it was not given), and "samples" a token that is a hash of the whole sequence, so
-any feeding mistake changes the output, the way a real model's would.
+any feeding mistake changes the output, the way a real model's would. Like the real one, it feeds the
+token it sampled for a request into a row that asks for it (ExecuteRequest.feed_sampled), and refuses such
+a row when it sampled nothing for that position, and a row of a request it holds no state for.
 """
 from __future__ import annotations
 
@@ -35,30 +37,47 @@ class CheckingExecutor:
         self.block_tables: dict[str, list[int]] = {}
         self.eos_after = eos_after or {}
         self.steps: list[ExecuteStep] = []
+        self.sampled: dict[str, tuple[int, int]] = {}  # request id -> (position of the token, token) sampled last
 
     def __call__(self, step: ExecuteStep) -> ExecuteResult:
         self.steps.append(step)
         for request_id in step.finished_request_ids:
             self.progress.pop(request_id, None)
             self.block_tables.pop(request_id, None)
+            self.sampled.pop(request_id, None)
         result = ExecuteResult()
         for req in step.requests:
+            tokens = list(req.token_ids)
+            if req.feed_sampled:
+                position, token = self.sampled.get(req.request_id, (None, None))
+                if position != req.start_position + len(tokens):
+                    result.rejected[req.request_id] = "no token was sampled for that position"
+                    continue
+                tokens.append(token)
             if req.sampling_params is not None:
                 self.progress[req.request_id] = req.start_position  # a prefix hit starts past zero
                 self.block_tables[req.request_id] = []
+                self.sampled.pop(req.request_id, None)
+            elif req.request_id not in self.progress:  # (a step after one that failed)
+                result.rejected[req.request_id] = "unknown to the executor"
+                continue
             assert req.start_position == self.progress[req.request_id], "tokens fed out of order"
             table = self.block_tables[req.request_id]
             table.extend(req.new_block_ids)
-            # The executor's table must equal the block manager's and cover every position.
-            assert table == self.block_manager.block_ids(req.request_id)
-            end = req.start_position + len(req.token_ids)
+            # The executor's table must equal the block manager's (when the step runs as soon as it is planned)
+            # and cover every position.
+            if self.block_manager is not None:
+                assert table == self.block_manager.block_ids(req.request_id)
+            end = req.start_position + len(tokens)
             assert len(table) * self.block_size >= end
-            for position, token in zip(range(req.start_position, end), req.token_ids):
+            for position, token in zip(range(req.start_position, end), tokens):
                 self.slots[self.slot(table, position)] = token
             self.progress[req.request_id] = end
             if req.sample:
                 sequence = [self.slots[self.slot(table, p)] for p in range(end)]
-                result.sampled[req.request_id] = SampledToken(self.next_token(req.request_id, sequence))
+                token = self.next_token(req.request_id, sequence)
+                result.sampled[req.request_id] = SampledToken(token)
+                self.sampled[req.request_id] = (end, token)
         return result
 
     def slot(self, table: list[int], position: int) -> int:
@@ -350,7 +369,7 @@ def test_prompt_logprobs_come_once_whole_in_order_and_never_from_the_prefix_cach
     assert outputs == [] and len(scheduler.requests["asks"].prompt_logprobs) == 15
     # The next step fails: the request is recomputed from its first token, and what it had is kept.
     step = scheduler.schedule()
-    scheduler.step_failed(step, None)
+    scheduler.steps_failed([step], None)
     sent = []
     while scheduler.has_unfinished_requests():
         sent += [o.prompt_logprobs for o in scheduler.step(executor) if o.prompt_logprobs is not None]

@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.config import SchedulerConfig
 from pagedserve.step import ExecuteResult, ExecuteStep
-from scheduler_svc.engine_loop import EngineLoop
+from scheduler_svc.engine_loop import CompletedCall, EngineLoop
 from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable, Scheduler, StepFailed
 from tests.unit.test_scheduler import EOS, CheckingExecutor, add
 
@@ -42,10 +44,12 @@ class FaultyExecutor:
         self.calls += 1
         if step.executor_epoch != str(self.epoch):
             raise ExecutorUnavailable("a step for another instance")
-        if self.fail_next:
-            raise self.fail_next.pop(0)
-        if self.poison & {r.request_id for r in step.requests}:
-            raise StepFailed("INTERNAL: poisoned")
+        if self.fail_next or self.poison & {r.request_id for r in step.requests}:
+            # As the executor does, a failed step leaves none of its requests' state behind: a step sent
+            # after it (void, rolled back with it) finds them unknown rather than running on stale tables.
+            for r in step.requests:
+                self.inner.progress.pop(r.request_id, None)
+            raise self.fail_next.pop(0) if self.fail_next else StepFailed("INTERNAL: poisoned")
         refused = {r.request_id: "refused" for r in step.requests if r.request_id in self.refuse}
         result = self.inner(dataclasses.replace(step, requests=[r for r in step.requests if r.request_id not in refused]))
         result.rejected = refused
@@ -53,13 +57,18 @@ class FaultyExecutor:
 
 
 class Engine:
-    def __init__(self, num_blocks: int = 64, budget: int = 16) -> None:
+    """async_scheduling: the loop plans a step while the one before it is out; the fake executor, in this
+    process, runs each step as it is sent, before the loop has applied the result of the one before."""
+
+    def __init__(self, num_blocks: int = 64, budget: int = 16, async_scheduling: bool = True) -> None:
         self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, model_id="test")
         self.kv_down = False
         self.executor = FaultyExecutor(self.manager)
-        config = SchedulerConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=budget, max_model_len=256)
+        config = SchedulerConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=budget, max_model_len=256,
+                                 async_scheduling=async_scheduling)
         self.scheduler = Scheduler(config, self.allocate, executor_epoch=self.executor.executor_epoch())
-        self.loop = EngineLoop(self.scheduler, self.executor, lambda outputs: None, self.executor.executor_epoch)
+        self.loop = EngineLoop(self.scheduler, lambda step: CompletedCall(self.executor, step), lambda outputs: None,
+                               self.executor.executor_epoch, async_scheduling=async_scheduling)
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, tuple[str, str | None]] = {}
         self.prompts: dict[str, list[int]] = {}
@@ -75,14 +84,14 @@ class Engine:
         self.outputs[request_id] = []
 
     def step(self) -> None:
-        for output in self.loop._step():
+        for output in self.loop.step():
             self.outputs[output.request_id].extend(output.new_token_ids)
             if output.finished:
                 self.finish[output.request_id] = (output.finish_reason, output.error)
 
     def run(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):
-            if not self.loop._has_work():
+            if not self.loop.has_work():
                 return
             self.step()
         raise AssertionError("requests did not finish")
@@ -109,13 +118,18 @@ class Engine:
                         state.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
 
 
+@pytest.fixture(params=[True, False], ids=["async", "sync"])
+def async_scheduling(request) -> bool:
+    return request.param
+
+
 def prompt(seed: int, length: int = 22) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(EOS) for _ in range(length)]
 
 
-def test_a_failed_step_indexes_nothing_and_the_same_prompt_is_right_afterwards():
-    engine = Engine()
+def test_a_failed_step_indexes_nothing_and_the_same_prompt_is_right_afterwards(async_scheduling):
+    engine = Engine(async_scheduling=async_scheduling)
     engine.add("a", prompt(1))
     # The first step would fill blocks of a's prompt; it raises, alone, so a fails with the error.
     engine.executor.fail_next = [StepFailed("INTERNAL: boom")]
@@ -128,8 +142,8 @@ def test_a_failed_step_indexes_nothing_and_the_same_prompt_is_right_afterwards()
     engine.assert_fault_free_outputs("b")
 
 
-def test_a_step_lost_on_the_way_is_rolled_back_and_rerun():
-    engine = Engine()
+def test_a_step_lost_on_the_way_is_rolled_back_and_rerun(async_scheduling):
+    engine = Engine(async_scheduling=async_scheduling)
     for i in range(4):
         engine.add(f"r{i}", prompt(i))
     engine.step()
@@ -142,8 +156,8 @@ def test_a_step_lost_on_the_way_is_rolled_back_and_rerun():
     engine.assert_fault_free_outputs(*(f"r{i}" for i in range(4)))
 
 
-def test_a_new_executor_instance_recomputes_everything_and_nothing_cached_survives():
-    engine = Engine()
+def test_a_new_executor_instance_recomputes_everything_and_nothing_cached_survives(async_scheduling):
+    engine = Engine(async_scheduling=async_scheduling)
     shared = prompt(7, 16)
     engine.add("warm", shared + [1, 2])
     engine.run()
@@ -161,8 +175,8 @@ def test_a_new_executor_instance_recomputes_everything_and_nothing_cached_surviv
     engine.assert_index_truthful()
 
 
-def test_a_refused_request_fails_alone_and_its_blocks_are_not_indexed():
-    engine = Engine()
+def test_a_refused_request_fails_alone_and_its_blocks_are_not_indexed(async_scheduling):
+    engine = Engine(async_scheduling=async_scheduling)
     for i in range(3):
         engine.add(f"r{i}", prompt(20 + i))
     engine.executor.refuse = {"r1"}
@@ -175,8 +189,8 @@ def test_a_refused_request_fails_alone_and_its_blocks_are_not_indexed():
     engine.assert_fault_free_outputs("again")
 
 
-def test_a_poisonous_request_among_many_fails_alone():
-    engine = Engine(budget=64)
+def test_a_poisonous_request_among_many_fails_alone(async_scheduling):
+    engine = Engine(budget=64, async_scheduling=async_scheduling)
     for i in range(5):
         engine.add(f"r{i}", prompt(30 + i))
     engine.executor.poison = {"r3"}
@@ -186,8 +200,8 @@ def test_a_poisonous_request_among_many_fails_alone():
     assert not engine.scheduler.suspects
 
 
-def test_a_block_manager_that_restarts_empty_has_every_request_recomputed():
-    engine = Engine()
+def test_a_block_manager_that_restarts_empty_has_every_request_recomputed(async_scheduling):
+    engine = Engine(async_scheduling=async_scheduling)
     for i in range(3):
         engine.add(f"r{i}", prompt(40 + i))
     for _ in range(4):
@@ -206,8 +220,8 @@ def test_a_block_manager_that_restarts_empty_has_every_request_recomputed():
     engine.assert_fault_free_outputs("r0", "r1", "r2")
 
 
-def test_a_block_manager_answer_lost_on_the_way_indexes_nothing_it_planned():
-    engine = Engine()
+def test_a_block_manager_answer_lost_on_the_way_indexes_nothing_it_planned(async_scheduling):
+    engine = Engine(async_scheduling=async_scheduling)
     engine.add("a", prompt(50))
     engine.step()
     real = engine.manager.step

@@ -1,0 +1,148 @@
+"""The executor's side of steps planned ahead: it feeds the token it sampled into a row that asks for it
+(exactly what the scheduler would have sent, had it known it), refuses such a row when it sampled nothing
+there, and serves a scheduler's steps on one stream, run in order and answered in order, with failures
+told in the answer; the scheduler's end of the stream turns a broken stream into ExecutorUnavailable."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.build import build_model_runner
+from executor_svc.model_runner import ModelRunner
+from executor_svc.server import ExecutorServicer
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from pagedserve.convert import execute_step_to_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.service import Service, channel
+from pagedserve.step import ExecuteRequest, ExecuteStep
+from pagedserve.v1 import executor_pb2_grpc
+from scheduler_svc.scheduler import ExecutorUnavailable, StepFailed
+from scheduler_svc.server import RemoteBackends
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+
+def prefill(request_id: str, tokens: list[int], block: int) -> ExecuteRequest:
+    return ExecuteRequest(request_id, tokens, 0, [block], True, PARAMS, prompt_len=len(tokens))
+
+
+@pytest.fixture(scope="module")
+def runner_pair(tiny_llama_dir):
+    """Two runners of the same weights: one told its tokens, one that feeds its own."""
+    config = ModelConfig(str(tiny_llama_dir), device="cpu", dtype="float32")
+    return [ModelRunner(config, CacheConfig(kv_cache_memory=1 << 20, block_size=16)) for _ in range(2)]
+
+
+def test_a_fed_row_computes_exactly_what_a_row_told_the_token_computes(runner_pair):
+    told, fed = runner_pair
+    first = [r.execute(ExecuteStep([prefill("a", [3, 1, 4, 1, 5], 0), prefill("b", [9, 2, 6], 1)])) for r in (told, fed)]
+    assert first[0].sampled == first[1].sampled
+    positions = {"a": 5, "b": 3}
+    for _ in range(6):
+        told_step = ExecuteStep([ExecuteRequest(r, [first[0].sampled[r].token_id], positions[r], [], True) for r in "ab"])
+        fed_step = ExecuteStep([ExecuteRequest(r, [], positions[r], [], True, feed_sampled=True) for r in "ab"])
+        logits = told.step_logits(told_step), fed.step_logits(fed_step)
+        for r in "ab":
+            torch.testing.assert_close(logits[1][r], logits[0][r], rtol=0, atol=0)
+        # step_logits samples nothing: run the same steps to sample and go on.
+        first = [told.execute(told_step), fed.execute(fed_step)]
+        assert first[0].sampled == first[1].sampled and not first[1].rejected
+        positions = {r: p + 1 for r, p in positions.items()}
+
+
+def test_a_fed_row_is_refused_where_nothing_was_sampled(runner_pair):
+    _, runner = runner_pair
+    runner.execute(ExecuteStep([prefill("c", [7, 7, 7], 2)]))
+    result = runner.execute(ExecuteStep([
+        ExecuteRequest("c", [], 4, [], True, feed_sampled=True),  # its sample takes position 3, not 4
+        ExecuteRequest("ghost", [], 0, [], True, feed_sampled=True),
+    ]))
+    assert set(result.rejected) == {"c", "ghost"} and "position 4" in result.rejected["c"]
+    assert not result.sampled
+    # The request is unharmed: fed where its token was sampled, it goes on.
+    assert "c" in runner.execute(ExecuteStep([ExecuteRequest("c", [], 3, [], True, feed_sampled=True)])).sampled
+
+
+# ----------------------------------------------------------------------------- the stream
+
+
+@pytest.fixture
+def executor_service(tiny_llama_dir):
+    runner = build_model_runner(ModelConfig(str(tiny_llama_dir), device="cpu", benchmark_sleep_ms=30.0),
+                                CacheConfig(kv_cache_memory=1 << 20), SchedulerConfig())
+    servicer = ExecutorServicer(runner)
+    service = Service("executor_svc", "127.0.0.1", 0)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
+    service.start()
+    import threading
+
+    stopping = threading.Event()
+    worker = threading.Thread(target=servicer.worker.run, args=(stopping,), daemon=True)
+    worker.start()
+    ch = channel(service.address)
+    yield runner, RemoteBackends(None, executor_pb2_grpc.ExecutorStub(ch)), service
+    stopping.set()
+    ch.close()
+    service.stop(grace=0)
+
+
+def test_steps_sent_ahead_run_in_order_and_failures_come_back_in_their_answers(executor_service):
+    runner, backends, _ = executor_service
+    epoch = runner.epoch
+    # The second step feeds in what the first samples: it is sent before the first has come back.
+    first = backends.submit(ExecuteStep([prefill("a", [1, 2, 3], 0)], executor_epoch=epoch, step_id=1))
+    second = backends.submit(ExecuteStep([ExecuteRequest("a", [], 3, [], True, feed_sampled=True)],
+                                         executor_epoch=epoch, step_id=2))
+    stale = backends.submit(ExecuteStep([ExecuteRequest("a", [], 4, [], True, feed_sampled=True)],
+                                        executor_epoch="another-instance", step_id=3))
+    third = backends.submit(ExecuteStep([ExecuteRequest("a", [], 4, [], True, feed_sampled=True)],
+                                        executor_epoch=epoch, step_id=4))
+    assert "a" in first.result().sampled
+    assert "a" in second.result().sampled and not second.result().rejected
+    with pytest.raises(ExecutorUnavailable, match="FAILED_PRECONDITION"):
+        stale.result()
+    assert "a" in third.result().sampled  # the stream went on
+    assert backends.executor_rpcs == 4
+
+
+def test_a_malformed_step_is_refused_in_its_answer_naming_the_field(tiny_llama_dir):
+    runner = build_model_runner(ModelConfig(str(tiny_llama_dir), device="cpu", benchmark_sleep_ms=1.0),
+                                CacheConfig(kv_cache_memory=1 << 20), SchedulerConfig())
+    message = execute_step_to_proto(ExecuteStep([ExecuteRequest("a", [], 5, [], True, feed_sampled=True)], step_id=7))
+    message.decodes.positions.append(9)
+    [answer] = ExecutorServicer(runner).Execute(iter([message]), context=None)
+    assert (answer.step_id, answer.error.code) == (7, "INVALID_ARGUMENT") and "positions" in answer.error.message
+
+
+def test_a_step_the_executor_raises_on_fails_alone(executor_service, monkeypatch):
+    runner, backends, _ = executor_service
+    real = runner.execute
+
+    def execute(step):
+        if step.step_id == 2:
+            raise RuntimeError("boom")
+        return real(step)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    steps = [backends.submit(ExecuteStep([prefill(f"r{i}", [1, 2], i)], executor_epoch=runner.epoch, step_id=i))
+             for i in (1, 2, 3)]
+    assert "r1" in steps[0].result().sampled
+    with pytest.raises(StepFailed, match="INTERNAL: RuntimeError: boom"):
+        steps[1].result()
+    assert "r3" in steps[2].result().sampled
+
+
+def test_a_broken_stream_leaves_every_unanswered_step_in_doubt_and_the_next_step_opens_a_new_one(executor_service):
+    runner, backends, service = executor_service
+    out = [backends.submit(ExecuteStep([prefill(f"r{i}", [1, 2], i)], executor_epoch=runner.epoch, step_id=i))
+           for i in (1, 2)]
+    broken = backends.stream
+    service.stop(grace=0)  # the executor goes away with both steps out
+    for pending in out:
+        with pytest.raises(ExecutorUnavailable):
+            pending.result()
+    assert broken.broken
+    after = backends.submit(ExecuteStep([prefill("r3", [1, 2], 3)], executor_epoch=runner.epoch, step_id=3))
+    assert backends.stream is not broken
+    with pytest.raises(ExecutorUnavailable):  # nobody serves: the new stream fails as well, in doubt
+        after.result()
