@@ -94,7 +94,10 @@ def test_quarter_pool_with_shared_prefixes_salts_and_cancels(tiny_model_with_tok
         assert logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4), f"request {i}"
     assert pool.num_preemptions > 0, "the quarter pool never ran short: the test shows nothing"
     assert scheduler.num_preemptions == pool.num_preemptions
-    # Preempted by swap through the services: copied out, loaded back, and nothing left in host memory.
-    assert pool.num_swaps == pool.num_preemptions and pool.blocks_swapped_in > 0 and pool.swap_blocks_in_use == 0
+    # Preempted by swap through the services: copied out, loaded back, and nothing left in host memory. A request
+    # preempted before any of its KV was confirmed computed (its first chunk still in flight) has nothing to copy
+    # and is recomputed, so not every preemption is a swap.
+    assert 0 < pool.num_swaps <= pool.num_preemptions
+    assert pool.blocks_swapped_in > 0 and pool.swap_blocks_in_use == 0
     assert pool.prefix_cache_hits > 0
     assert (pool.num_requests, pool.num_in_use, pool.num_free_blocks) == (0, 0, pool.num_blocks)

@@ -52,8 +52,9 @@ def test_a_quarter_pool_gives_the_unconstrained_outputs_in_every_preemption_mode
     if mode == "recompute":
         assert manager.num_swaps == manager.blocks_swapped_in == 0
     else:
-        # auto: on the CPU a block's copy out and back costs a small fraction of recomputing its 16 tokens.
-        assert manager.num_swaps == manager.num_preemptions and manager.blocks_swapped_in > 0
+        # auto: on the CPU a block's copy out and back costs a small fraction of recomputing its 16 tokens. A
+        # request preempted while its first chunk is still in flight has no computed KV to copy: recomputed.
+        assert 0 < manager.num_swaps <= manager.num_preemptions and manager.blocks_swapped_in > 0
     # What was not recomputed came from host memory: swapped copies, or prefix blocks the pool evicted to the tier.
     assert runner.blocks_loaded == manager.blocks_swapped_in + manager.tier_hits // BLOCK
     assert runner.failed_loads == 0
