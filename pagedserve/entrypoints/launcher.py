@@ -3,6 +3,7 @@ together: `pagedserve up` from its configuration (Stack), or from a compose file
 service's command line as that service would, for the deployment files' tests."""
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import io
@@ -128,7 +129,7 @@ def parse_service_command(argv: list[str], environment: tuple[str, ...] = ()) ->
 
 
 # ---------------------------------------------------------------------------------------------- processes
-class LocalProcesses:
+class LocalProcesses(abc.ABC):
     """Named processes started in stages (see supervisor.py), each ready once its health check passes,
     restarted when they die and stopped together. A subclass says what each one runs."""
 
@@ -137,19 +138,21 @@ class LocalProcesses:
         self.startup_timeout = startup_timeout
         self.supervisor = Supervisor(self._spawn, self._wait_ready, policy)
 
+    @abc.abstractmethod
     def command(self, name: str) -> list[str]:
-        raise NotImplementedError
+        """The argv that starts the process of that name."""
 
+    @abc.abstractmethod
     def environment(self, name: str) -> dict[str, str]:
-        raise NotImplementedError
+        """The environment it runs with."""
 
+    @abc.abstractmethod
     def ready(self, name: str) -> bool:
         """One health check of a started process."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stop_timeouts(self) -> dict[str, float]:
         """{name: seconds it may take to stop after SIGTERM}."""
-        raise NotImplementedError
 
     @property
     def processes(self) -> dict[str, subprocess.Popen]:
