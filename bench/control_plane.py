@@ -1,10 +1,12 @@
 """The control plane alone: an executor that runs no model and sleeps a fixed time per step
 (--benchmark-sleep-ms), 256 running requests through the full stack; the busy fraction is the sleeping
 time over the wall time, over a window in which all of them run. The same load runs with steps planned
-ahead (the default) and without (--no-async-scheduling), side by side; each run also records the CPU
-each process spent per step. Writes bench/results/control_plane.json.
+ahead (the default) and without (--no-async-scheduling), and with steps planned ahead and each stream interval
+asked for (--stream-interval N: the scheduler sends a request's tokens N at a time), side by side; each run
+also records the CPU each process spent per step. Writes bench/results/control_plane.json.
 
     python bench/control_plane.py [--sleep-ms 5] [--requests 256] [--window 20] [--only-async]
+                                  [--stream-intervals 4,16]
 
 The clients are asyncio streams in this process, so that the load generator takes as little of the
 machine's cores as it can (its CPU is recorded too).
@@ -32,7 +34,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def run(args, async_scheduling: bool) -> dict:
+def run(args, async_scheduling: bool, stream_interval: int = 1) -> dict:
     import grpc
 
     from pagedserve.client import build_request
@@ -42,7 +44,7 @@ def run(args, async_scheduling: bool) -> dict:
 
     config = PagedServeConfig.from_kwargs(model=args.model, device="cpu", port=0, log_level="WARNING",
                                           benchmark_sleep_ms=args.sleep_ms, max_num_seqs=args.requests,
-                                          async_scheduling=async_scheduling,
+                                          async_scheduling=async_scheduling, stream_interval=stream_interval,
                                           kv_cache_memory=96 << 30)  # no KV tensors: room for every request
     prompt_len = 8
     with Stack(config) as stack:
@@ -101,6 +103,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--window", type=float, default=20.0)
     parser.add_argument("--only-async", action="store_true", help="skip the run without async scheduling")
+    parser.add_argument("--stream-intervals", default="4,16",
+                        help="comma-separated stream intervals to run besides 1 (empty: none)")
     args = parser.parse_args()
 
     planned_ahead = run(args, async_scheduling=True)
@@ -111,6 +115,10 @@ def main() -> None:
         metrics["sync_scheduling"] = one_at_a_time
         ratios["async_vs_sync_steps_per_s"] = round(
             planned_ahead["steps"] / planned_ahead["window_s"] / (one_at_a_time["steps"] / one_at_a_time["window_s"]), 3)
+    for interval in [int(n) for n in args.stream_intervals.split(",") if n]:
+        batched = run(args, async_scheduling=True, stream_interval=interval)
+        metrics[f"stream_interval_{interval}"] = batched
+        ratios[f"busy_fraction_stream_interval_{interval}"] = batched["busy_fraction"]
     path = write_result("control_plane", ratios, metrics)
     print(path.read_text())
 

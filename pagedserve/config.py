@@ -244,6 +244,9 @@ class SchedulerConfig(_Config):
     async_scheduling: bool = option(True, "plan each step while the executor runs the one before, so that it "
                                           "never waits on the scheduler; the executor feeds in the tokens it "
                                           "sampled, and a request found finished a step late emits nothing more")
+    stream_interval: int = option(1, "tokens a request gathers before they go to its frontend (its first and "
+                                     "last go at once): fewer, bigger messages cost the frontend and the "
+                                     "client less CPU per token, at a coarser stream", min=1, max=1024)
     # Facts, not options: none until build_scheduler fills them in from what the executor reports.
     block_size: int | None = option(None, "tokens per KV block, as the executor reports it", min=1, flag=False)
     max_model_len: int | None = option(None, "context length, as the executor reports it (what its KV cache "

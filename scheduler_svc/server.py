@@ -28,6 +28,7 @@ from pagedserve.v1 import executor_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable, Scheduler, StepFailed
+from scheduler_svc.stream_interval import StreamInterval
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.owners: dict[str, _Connection] = {}
         self.owners_lock = threading.Lock()
         self.draining = False
+        self.stream_interval = StreamInterval(scheduler.config.stream_interval)
         self.loop = EngineLoop(scheduler, backends.submit, self._publish, backends.executor_epoch,
                                async_scheduling=scheduler.config.async_scheduling)
 
@@ -254,7 +256,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Hands each frontend its requests' outputs (its stream converts and sends them)."""
         by_connection: dict[int, tuple[_Connection, list[RequestOutput]]] = {}
         with self.owners_lock:
-            for output in outputs:
+            for output in self.stream_interval.release(outputs):
                 connection = self.owners.get(output.request_id)
                 if connection is None:
                     continue

@@ -276,23 +276,35 @@ def test_shared_prefix_is_served_from_the_cache_and_counted(stack, client):
     assert after.prefix_cache_queries - middle.prefix_cache_queries == 66
 
 
-def test_one_step_at_a_time_streams_what_steps_planned_ahead_stream(stack, client):
-    """The same concurrent streams through a stack without async scheduling: the same tokens, texts and finish
-    reasons (requests ending on EOS, on a stop string and on max_tokens among them), and the pools idle."""
+def test_one_step_at_a_time_and_a_stream_interval_stream_what_steps_planned_ahead_stream(stack, client):
+    """The same concurrent streams through a stack without async scheduling and with a stream interval of 4:
+    the same tokens, texts and finish reasons (requests ending on EOS, on a stop string and on max_tokens among
+    them), the pools idle, and every message but a request's first and last carries at least 4 tokens."""
     requests = [build_request(messages=[{"role": "user", "content": prompt}], temperature=0.0, max_tokens=40)
                 for prompt in PROMPTS]
     requests += [build_request(prompt="1, 2, 3, 4,", temperature=0.0, max_tokens=20, stop=[" 7"]),
                  build_request(prompt_token_ids=[100, 200, 300], temperature=0.0, max_tokens=9, ignore_eos=True)]
 
-    def run_all(generate_client) -> list:
+    def run_all(generate_client) -> tuple[list, list]:
+        def streamed(request):
+            return [list(message.token_ids) for message in generate_client.stream(request)]
         with ThreadPoolExecutor(len(requests)) as pool:
-            return [(c.token_ids, c.text, c.finish_reason) for c in pool.map(generate_client.generate, requests)]
+            messages = list(pool.map(streamed, requests))
+        with ThreadPoolExecutor(len(requests)) as pool:
+            return [(c.token_ids, c.text, c.finish_reason) for c in pool.map(generate_client.generate, requests)], messages
 
-    ahead = run_all(client)
+    ahead, per_step = run_all(client)
     assert {finish for _, _, finish in ahead} == {"stop", "length"}
+    assert any(len(m) < 4 for messages in per_step for m in messages[1:-1])  # without the interval, some do not
     config = PagedServeConfig.from_kwargs(model="default", device="cpu", dtype="float32", port=0,
-                                          kv_cache_memory=256 << 20, log_level="WARNING", async_scheduling=False)
+                                          kv_cache_memory=256 << 20, log_level="WARNING", async_scheduling=False,
+                                          stream_interval=4)
     with Stack(config) as one_at_a_time, GenerateClient(one_at_a_time.address) as other:
-        assert run_all(other) == ahead
+        outcomes, batched = run_all(other)
+        assert outcomes == ahead
+        for messages, (token_ids, _, _) in zip(batched, ahead):
+            assert [t for m in messages for t in m] == token_ids
+            assert all(len(m) >= 4 for m in messages[1:-1]), messages
+            assert len(messages) <= 2 + len(token_ids) // 4
         assert wait_for(lambda: kv_stats(one_at_a_time).num_requests == 0)
     assert wait_for(lambda: kv_stats(stack).num_requests == 0)

@@ -31,7 +31,7 @@ CHANGED = PagedServeConfig(
                 redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77),
     SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False, max_waiting=3,
                     scheduling_policy="priority", long_prefill_token_threshold=64, max_num_partial_prefills=2,
-                    async_scheduling=False),
+                    async_scheduling=False, stream_interval=4),
     ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",
                   startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2,
                   http_address="0.0.0.0:8080", served_model_name=("my-model", "alias"),
