@@ -24,13 +24,30 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok():
+class WindowOnly:
+    """The tokenizer without its Rust backend in sight: the detokenizer's Python window does all the work."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        if name == "backend_tokenizer":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __len__(self):
+        return len(self.inner)
+
+
+# Every test runs on both paths: the tokenizers library's DecodeStream ("stream") and the Python window.
+@pytest.fixture(scope="module", params=["stream", "window"])
+def tok(request):
     from transformers import AutoTokenizer
 
     from executor_svc.model_loader import resolve_model_dir
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir("default"))
+    fast = AutoTokenizer.from_pretrained(resolve_model_dir("default"))
+    return fast if request.param == "stream" else WindowOnly(fast)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +158,16 @@ class CountingTokenizer:
         return self.inner.decode(ids, **kwargs)
 
 
+def test_a_fast_tokenizer_decodes_in_the_tokenizers_library(tok, chat_prompt_ids):
+    """No Python-level decode per step: only the prompt context is decoded once, to check it ends whole."""
+    fast = tok.inner if isinstance(tok, WindowOnly) else tok
+    counting = CountingTokenizer(fast)
+    counting.backend_tokenizer = fast.backend_tokenizer
+    ids = tok.encode(" ".join(TEXTS), add_special_tokens=False)
+    assert "".join(stream(counting, chat_prompt_ids, ids)) == tok.decode(ids)
+    assert len(counting.sizes) == 1
+
+
 def test_decode_window_stays_small(tok, chat_prompt_ids):
     ids = tok.encode(" ".join(TEXTS) * 20, add_special_tokens=False)
     assert len(ids) > 1000
@@ -152,8 +179,8 @@ def test_decode_window_stays_small(tok, chat_prompt_ids):
 # --------------------------------------------------------------------------- SentencePiece style
 
 
-@pytest.fixture(scope="module")
-def sp_tok():
+@pytest.fixture(scope="module", params=["stream", "window"])
+def sp_tok(request):
     """A tiny Llama-like tokenizer: Unigram with byte fallback, Metaspace, and a decoder that strips
     the first token's leading space (so decoding one token at a time loses spaces)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -167,7 +194,8 @@ def sp_tok():
     backend.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return fast if request.param == "stream" else WindowOnly(fast)
 
 
 SP_TEXTS = ["Hello world", "Hello world 世界 a.b , Hello", "a b 😀 b a", "  Hello  world  "]
