@@ -1,6 +1,8 @@
-"""python -m kvcache_svc --port 50053 --executor 127.0.0.1:50054
+"""python -m kvcache_svc --port 50053 [--executor 127.0.0.1:50054]
 
-The pool is the executor's: its KV tensors hold num_blocks blocks of block_size tokens.
+Each pool is an executor's: its KV tensors hold num_blocks blocks of block_size tokens. With --executor, the
+service serves that one executor (and follows its restarts through the scheduler); without, executors
+register themselves (executor_svc --kvcache), one pool each, and stay registered by heartbeat.
 """
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import logging
 
 from kvcache_svc.build import build_block_manager
 from kvcache_svc.durable_state import DurableState
-from kvcache_svc.server import KVCacheServicer
+from kvcache_svc.executor_pools import ExecutorPools
+from kvcache_svc.server import KVCacheServicer, registration_from_proto
 from pagedserve.convert import block_step_request_from_proto
 from pagedserve.config import CacheConfig, ServingConfig, parse
 from pagedserve.service import Security, Service, channel, configure_logging
@@ -17,13 +20,15 @@ from pagedserve.v1 import executor_pb2, executor_pb2_grpc, kvcache_pb2, kvcache_
 logger = logging.getLogger("kvcache_svc")
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca", "internal_token_file"),
-    CacheConfig: ("enable_prefix_caching", "offload_all", "redis_url", "redis_namespace", "preemption_mode"),
+    ServingConfig: ("host", "port", "log_level", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca",
+                    "internal_token_file", "heartbeat_ttl"),
+    CacheConfig: ("enable_prefix_caching", "offload_all", "redis_url", "redis_namespace", "preemption_mode",
+                  "routing"),
 }
 
 
 def parse_args(argv: list[str] | None = None) -> dict:
-    return parse("python -m kvcache_svc", __doc__, SECTIONS, argv, required=("executor",))
+    return parse("python -m kvcache_svc", __doc__, SECTIONS, argv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,16 +36,24 @@ def main(argv: list[str] | None = None) -> None:
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
     security = Security.from_config(serving)
-    with channel(serving.executor, security) as ch:
-        info = executor_pb2_grpc.ExecutorStub(ch).GetInfo(
-            executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout
-        )
-    manager = build_block_manager(configs[CacheConfig], info)
-    durable = durable_state(configs[CacheConfig], manager)
+    cache = configs[CacheConfig]
+    pools = ExecutorPools(lambda registration: build_block_manager(cache, registration.pool), cache.routing,
+                          serving.heartbeat_ttl)
+    durable = None
+    if serving.executor:
+        with channel(serving.executor, security) as ch:
+            info = executor_pb2_grpc.ExecutorStub(ch).GetInfo(
+                executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout
+            )
+        pools.register(registration_from_proto(kvcache_pb2.ExecutorRegistration(address=serving.executor, info=info)),
+                       expires=False)
+        [pool] = pools.pools.values()
+        durable = durable_state(cache, pool.manager)
+        logger.info("block pool: %d blocks of %d tokens", info.num_blocks, info.block_size)
     service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"), security=security,
-                      dependencies={"executor_svc": serving.executor})
-    kvcache_pb2_grpc.add_KVCacheServicer_to_server(KVCacheServicer(manager, durable), service.server)
-    logger.info("block pool: %d blocks of %d tokens", info.num_blocks, info.block_size)
+                      dependencies={"executor_svc": serving.executor} if serving.executor else {})
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(
+        KVCacheServicer(pools, durable, accepts_registrations=not serving.executor), service.server)
     service.serve_until_signalled()
 
 

@@ -35,6 +35,8 @@ class BlockRequest:
     # can name the blocks they fill, and the position of the first (sending them twice changes nothing).
     new_token_ids: list[int] | None = None
     new_tokens_start: int = 0
+    # Running only: the address of the executor it lives on (none: the only one).
+    executor_id: str = ""
 
 
 @dataclass(slots=True)

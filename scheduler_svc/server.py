@@ -17,7 +17,7 @@ import grpc
 
 from pagedserve.convert import (
     block_step_request_to_proto,
-    block_step_result_from_proto,
+    block_step_results_from_proto,
     execute_result_from_proto,
     execute_step_to_proto,
     request_output_to_proto,
@@ -58,7 +58,12 @@ class RemoteBackends:
             reply = self.kvcache_stub.Step(block_step_request_to_proto(request), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as error:
             raise BlockManagerUnavailable(f"{error.code().name}: {error.details()}") from None
-        return block_step_result_from_proto(reply)
+        results = block_step_results_from_proto(reply)
+        if len(results) != 1:
+            # Until steps are split by executor, this scheduler drives exactly one.
+            raise BlockManagerUnavailable(f"{len(results)} executors are registered with the KV-cache service; "
+                                          f"this scheduler drives one")
+        return next(iter(results.values()))
 
     def submit(self, step: ExecuteStep) -> "_PendingStep":
         """Sends the step without waiting for it (on the stream, opened again if it broke)."""

@@ -251,7 +251,9 @@ class Stack(LocalProcesses):
         host, port = self.addresses[name].rsplit(":", 1)
         serving = dataclasses.replace(
             self.config.serving_config, host=host, port=int(port), http_address=self.http_addresses.get(name, ""),
-            executor=self.executor_address, kvcache=self.kvcache_address, scheduler=self.scheduler_address,
+            executor=self.executor_address, scheduler=self.scheduler_address,
+            # The KV-cache service follows the one executor through --executor: the executor does not register.
+            kvcache=None if module == "executor_svc" else self.kvcache_address,
         )
         return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)
 

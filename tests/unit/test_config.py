@@ -28,7 +28,7 @@ CHANGED = PagedServeConfig(
                 benchmark_sleep_ms=2.5),
     CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
                 offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True,
-                redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77),
+                redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77, routing="round_robin"),
     SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False, max_waiting=3,
                     scheduling_policy="priority", long_prefill_token_threshold=64, max_num_partial_prefills=2,
                     async_scheduling=False),
@@ -37,7 +37,8 @@ CHANGED = PagedServeConfig(
                   http_address="0.0.0.0:8080", served_model_name=("my-model", "alias"),
                   max_message_bytes=1 << 20, max_prompt_chars=999,
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
-                  internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2),
+                  internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2,
+                  advertise_address="x:4", heartbeat_ttl=1.5),
 )
 
 
@@ -126,7 +127,8 @@ def test_the_launchers_argv_parses_with_each_services_parser():
         assert host == ("0.0.0.0" if name == "frontend" else "127.0.0.1"), name
         serving = dataclasses.replace(
             changed.serving_config, host=host, port=int(port),
-            executor=stack.executor_address, kvcache=stack.kvcache_address, scheduler=stack.scheduler_address,
+            executor=stack.executor_address, scheduler=stack.scheduler_address,
+            kvcache=None if name == "executor_svc" else stack.kvcache_address,
         )
         expected = _expected(dataclasses.replace(changed, serving_config=serving), service.SECTIONS)
         assert service.parse_args(stack.service_argv(name)) == expected, name
