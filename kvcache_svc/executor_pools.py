@@ -129,6 +129,7 @@ class ExecutorPools:
             epoch = (step_request.executor_epoch if len(self.pools) == 1 else "") or pool.registration.epoch
             results[address] = pool.manager.step(replace(step_request, executor_epoch=epoch, running=running,
                                                          waiting=waiting))
+            results[address].executor_epoch = epoch
         if preempted:
             first = next(iter(results.values()))
             first.preempted_request_ids.extend(preempted)

@@ -178,7 +178,7 @@ def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStep
     """Only the deltas that add blocks travel: a running request served without new blocks (most of them,
     most steps) needs none, and an admitted request always gets blocks."""
     out = kvcache_pb2.BlockStepResult(preempted_request_ids=result.preempted_request_ids,
-                                      swap_free=result.swap_free)
+                                      swap_free=result.swap_free, executor_epoch=result.executor_epoch)
     for request_id, block_ids in result.new_block_ids.items():
         if not block_ids:
             continue
@@ -214,6 +214,7 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
         saves_after=_transfers_from_proto(message.saves_after),
         swap_out=_transfers_from_proto(message.swap_out),
         swap_free=list(message.swap_free),
+        executor_epoch=message.executor_epoch,
     )
 
 

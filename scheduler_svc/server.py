@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 
@@ -23,8 +24,16 @@ from pagedserve.convert import (
     request_output_to_proto,
     sampling_from_proto,
 )
-from pagedserve.step import BlockStepRequest, BlockStepResult, ExecuteResult, ExecuteStep, RequestOutput, join_outputs
-from pagedserve.v1 import executor_pb2, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.step import (
+    BlockStepRequest,
+    BlockStepResult,
+    ExecuteResult,
+    ExecuteStep,
+    RequestOutput,
+    join_outputs,
+    merge_results,
+)
+from pagedserve.v1 import executor_pb2, kvcache_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable, Scheduler, StepFailed
@@ -42,42 +51,80 @@ _EXECUTOR_LOST = "FAILED_PRECONDITION"
 
 
 class RemoteBackends:
-    """The block manager's call and the executor's stream of steps, counted, with their failures told apart
-    for the engine loop."""
+    """The block manager's call and the executors' streams of steps, counted, with their failures told apart
+    for the engine loop. With executor_stub the scheduler drives that one executor; without, the executors
+    registered with the KV-cache service, each reached at the address it registered (open_executor opens a
+    stub to it), a step going to them in parts, at once."""
 
-    def __init__(self, kvcache_stub, executor_stub) -> None:
+    def __init__(self, kvcache_stub, executor_stub=None, open_executor: Callable[[str], object] | None = None) -> None:
         self.kvcache_stub = kvcache_stub
         self.executor_stub = executor_stub
+        self.open_executor = open_executor
+        self.executor_stubs: dict[str, object] = {}
         self.kv_rpcs = 0
-        self.executor_rpcs = 0  # steps sent
-        self.stream: _StepStream | None = None
+        self.executor_rpcs = 0  # steps (parts of steps) sent
+        self.streams: dict[str, _StepStream] = {}
 
-    def allocate_blocks(self, request: BlockStepRequest) -> BlockStepResult:
+    def allocate_blocks(self, request: BlockStepRequest) -> dict[str, BlockStepResult]:
         self.kv_rpcs += 1
         try:
             reply = self.kvcache_stub.Step(block_step_request_to_proto(request), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as error:
             raise BlockManagerUnavailable(f"{error.code().name}: {error.details()}") from None
-        results = block_step_results_from_proto(reply)
-        if len(results) != 1:
-            # Until steps are split by executor, this scheduler drives exactly one.
-            raise BlockManagerUnavailable(f"{len(results)} executors are registered with the KV-cache service; "
-                                          f"this scheduler drives one")
-        return next(iter(results.values()))
+        return block_step_results_from_proto(reply)
 
-    def submit(self, step: ExecuteStep) -> "_PendingStep":
-        """Sends the step without waiting for it (on the stream, opened again if it broke)."""
-        self.executor_rpcs += 1
-        if self.stream is None or self.stream.broken:
-            self.stream = _StepStream(self.executor_stub)
-        return self.stream.send(step)
+    def submit(self, step: ExecuteStep) -> "_PendingStep | _PendingParts":
+        """Sends the step (each part to its executor) without waiting for it, on the executor's stream, opened
+        again if it broke."""
+        pending = [self._stream(part.executor_id).send(part) for part in step.parts or [step]]
+        self.executor_rpcs += len(pending)
+        return pending[0] if len(pending) == 1 else _PendingParts(pending)
+
+    def _stream(self, address: str) -> "_StepStream":
+        stream = self.streams.get(address)
+        if stream is None or stream.broken:
+            stream = self.streams[address] = _StepStream(self._executor(address))
+        return stream
+
+    def _executor(self, address: str):
+        if self.executor_stub is not None:  # the one executor, whatever the KV-cache service calls it
+            return self.executor_stub
+        if address not in self.executor_stubs:
+            self.executor_stubs[address] = self.open_executor(address)
+        return self.executor_stubs[address]
 
     def executor_epoch(self) -> str:
-        """The executor instance now serving; raises ExecutorUnavailable while there is none."""
+        """The executor instance now serving ("" for the executors registered with the KV-cache service, whose
+        epochs come with each step's answer); raises ExecutorUnavailable while there is none."""
         try:
-            return self.executor_stub.GetInfo(executor_pb2.ExecutorInfoRequest(), timeout=EPOCH_TIMEOUT_S).epoch
+            if self.executor_stub is not None:
+                return self.executor_stub.GetInfo(executor_pb2.ExecutorInfoRequest(), timeout=EPOCH_TIMEOUT_S).epoch
+            registered = self.kvcache_stub.ListExecutors(kvcache_pb2.ListExecutorsRequest(), timeout=EPOCH_TIMEOUT_S)
         except grpc.RpcError as error:
             raise ExecutorUnavailable(f"{error.code().name}: {error.details()}") from None
+        if not registered.executors:
+            raise ExecutorUnavailable("no executor is registered with the KV-cache service")
+        return ""
+
+
+class _PendingParts:
+    """A step's parts out on several executors: its result once all are back (each waited for, so that none is
+    still running when the step is rolled back), the first failure if any failed."""
+
+    def __init__(self, parts: list["_PendingStep"]) -> None:
+        self.parts = parts
+
+    def result(self) -> ExecuteResult:
+        results, errors = [], []
+        for part in self.parts:
+            try:
+                results.append(part.result())
+            except (ExecutorUnavailable, StepFailed) as error:
+                errors.append(error)
+        # An executor lost makes the whole step's outcome unknown; else a part that raised fails the step.
+        for error in sorted(errors, key=lambda e: not isinstance(e, ExecutorUnavailable)):
+            raise error
+        return merge_results(results)
 
 
 class _PendingStep:

@@ -102,7 +102,7 @@ class BlockDelta(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., tier_loads: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
 
 class BlockStepResult(_message.Message):
-    __slots__ = ("deltas", "preempted_request_ids", "saves_before", "saves_after", "swap_out", "swap_free")
+    __slots__ = ("deltas", "preempted_request_ids", "saves_before", "saves_after", "swap_out", "swap_free", "executor_epoch")
     class DeltasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,13 +116,15 @@ class BlockStepResult(_message.Message):
     SAVES_AFTER_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_FREE_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.MessageMap[str, BlockDelta]
     preempted_request_ids: _containers.RepeatedScalarFieldContainer[str]
     saves_before: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     saves_after: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     swap_out: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
     swap_free: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., saves_before: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., saves_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., swap_free: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    executor_epoch: str
+    def __init__(self, deltas: _Optional[_Mapping[str, BlockDelta]] = ..., preempted_request_ids: _Optional[_Iterable[str]] = ..., saves_before: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., saves_after: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., swap_free: _Optional[_Iterable[bytes]] = ..., executor_epoch: _Optional[str] = ...) -> None: ...
 
 class BlockStepResults(_message.Message):
     __slots__ = ("executors",)
