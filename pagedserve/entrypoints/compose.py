@@ -34,7 +34,6 @@ from pagedserve.entrypoints.launcher import (
     PYTHON_NAMES,
     SERVICES,
     LocalProcesses,
-    check_executor_count,
     free_port,
     replica_name,
 )
@@ -296,9 +295,12 @@ class ComposeStack(LocalProcesses):
                        for name, r in self.replicas.items() if self.services[r.service].healthcheck}
 
     def _check_executors(self) -> None:
+        """The compose file's services follow one executor (`--executor executor:50054`): replicas of it would
+        share that one name, where registering with the KV-cache service needs one address per replica."""
         for service in self.services.values():
-            if is_service_module(service.command) and service.command[2] == "executor_svc":
-                check_executor_count(service.replicas)
+            if is_service_module(service.command) and service.command[2] == "executor_svc" and service.replicas > 1:
+                raise ComposeError(f"{service.replicas} executors asked for, but the services of a compose file follow "
+                                   f"one executor; scale executors with `pagedserve up --executors N`")
 
     # -------------------------------------------------------------------------- addresses
     def listen_host(self, service: str) -> str:

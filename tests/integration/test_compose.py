@@ -130,7 +130,8 @@ def test_pagedserve_up_refuses_what_the_compose_run_would_ignore(capsys, monkeyp
         (["--scale", "frontend=2"], "--scale and --profile need --compose"),
         (["--compose", str(COMPOSE), "--profile", "cpu", "--max-num-seqs", "4"], "these flags would be ignored: "
                                                                                   "--max-num-seqs"),
-        (["--compose", str(COMPOSE), "--profile", "cpu", "--scale", "executor=2"], "2 executors asked for"),
+        (["--compose", str(COMPOSE), "--profile", "cpu", "--scale", "executor=2"], "2 executors asked for, but the services "
+                                                                               "of a compose file follow one executor"),
         (["--compose", str(COMPOSE), "--profile", "cpu", "--scale", "frontend=0"], "N at least 1"),
         (["--compose", str(COMPOSE), "--profile", "cpu", "--scale", "nobody=2"], "--scale nobody: no such service"),
     ]:

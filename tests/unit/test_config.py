@@ -128,7 +128,7 @@ def test_the_launchers_argv_parses_with_each_services_parser():
         serving = dataclasses.replace(
             changed.serving_config, host=host, port=int(port),
             executor=stack.executor_address, scheduler=stack.scheduler_address,
-            kvcache=None if name == "executor_svc" else stack.kvcache_address,
+            kvcache=None if name == "executor_svc" else stack.kvcache_address, advertise_address=None,
         )
         expected = _expected(dataclasses.replace(changed, serving_config=serving), service.SECTIONS)
         assert service.parse_args(stack.service_argv(name)) == expected, name
@@ -149,15 +149,21 @@ def test_frontend_k_listens_on_the_public_and_http_ports_plus_k():
         "executor_svc", "kvcache_svc", "scheduler_svc", "frontend", "frontend-1", "frontend-2"]
 
 
-def test_several_executors_are_refused_until_the_services_drive_them(capsys):
+def test_several_executors_register_with_the_kvcache_service_where_the_scheduler_finds_them():
     from pagedserve.entrypoints.launcher import Stack
 
-    with pytest.raises(ValueError, match="2 executors asked for, but the scheduler and the KV-cache service of "
-                                         "this build drive 1"):
-        Stack(PagedServeConfig.from_kwargs(executors=2))
-    with pytest.raises(SystemExit):
-        cli.main(["up", "--device", "cpu", "--executors", "2"])
-    assert "2 executors asked for" in capsys.readouterr().err
+    stack = Stack(PagedServeConfig.from_kwargs(executors=2, port=7100))
+    assert stack.stages[0] == ["executor_svc", "executor_svc-1"]
+    for name in stack.stages[0]:
+        serving = executor_svc.__main__.parse_args(stack.service_argv(name))[ServingConfig]
+        assert (serving.kvcache, serving.advertise_address) == (stack.kvcache_address, stack.addresses[name])
+    for name, module in (("kvcache_svc", kvcache_svc.__main__), ("scheduler_svc", scheduler_svc.__main__)):
+        assert module.parse_args(stack.service_argv(name))[ServingConfig].executor is None, name
+    # One executor: followed through --executor, and it does not register.
+    stack = Stack(PagedServeConfig.from_kwargs(port=7100))
+    assert kvcache_svc.__main__.parse_args(stack.service_argv("kvcache_svc"))[ServingConfig].executor == \
+        stack.executor_address
+    assert executor_svc.__main__.parse_args(stack.service_argv("executor_svc"))[ServingConfig].kvcache is None
 
 
 def test_pagedserve_up_builds_the_config_from_its_flags(up_config, capsys):
