@@ -15,7 +15,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.client import GenerateClient, build_request
 from pagedserve.config import PagedServeConfig
 from pagedserve.entrypoints.launcher import Stack
-from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc
+from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.probes import wait_for
 from tests.support.tiny_stack import kv_stats, wait_until_idle
 
@@ -50,16 +50,17 @@ def registered(stack) -> dict[str, str]:
     return {e.address: e.epoch for e in answer.executors}
 
 
-def greedy(reference: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    results = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+def greedy(reference: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    results = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return [r.token_ids for r in results]
 
 
-def run_all(stack, prompts: list[list[int]], tag: str, parallel: int = 16) -> list[list[int]]:
+def run_all(stack, prompts: list[list[int]], tag: str, parallel: int = 16,
+            max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     def run(client: GenerateClient, i: int) -> list[int]:
         tokens = []
         for response in client.stream(build_request(prompt_token_ids=prompts[i], request_id=f"{tag}-{i}",
-                                                    temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                                                    temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                                       timeout=120):
             tokens.extend(response.token_ids)
         return tokens
@@ -98,11 +99,17 @@ def test_requests_sharing_a_prefix_land_on_the_executor_that_holds_it(stack, ref
     assert sum(s.num_requests for s in after.executors.values()) == 0
 
 
-@pytest.mark.slow
+def scheduler_stats(stack) -> scheduler_pb2.SchedulerStats:
+    with stack.channel("scheduler_svc") as ch:
+        return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.SchedulerStatsRequest(), timeout=5)
+
+
 def test_an_executor_killed_under_load_every_request_completes_unchanged(stack, reference):
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 150) for _ in range(rng.randint(4, 60))] for _ in range(32)]
-    expected = greedy(reference, prompts)
+    max_tokens = 32
+    expected = greedy(reference, prompts, max_tokens)
+    before = scheduler_stats(stack)
     victim = "executor_svc-1"
     old_pid, old_epochs = stack.processes[victim].pid, registered(stack)
     with ThreadPoolExecutor(1) as killer:
@@ -111,9 +118,14 @@ def test_an_executor_killed_under_load_every_request_completes_unchanged(stack, 
             os.kill(old_pid, signal.SIGKILL)
 
         kill = killer.submit(kill_when_busy)
-        got = run_all(stack, prompts, "kill", parallel=32)
+        got = run_all(stack, prompts, "kill", parallel=32, max_tokens=max_tokens)
         kill.result()
     assert got == expected
+    # The steps out when it died were rolled back, and their requests recomputed (on the other executor, or
+    # the restarted one).
+    after = scheduler_stats(stack)
+    assert after.num_failed_steps > before.num_failed_steps
+    assert after.num_recomputed_tokens > before.num_recomputed_tokens
     assert stack.processes[victim].pid != old_pid, "the executor was not restarted"
     # The restarted executor registered again, under a new epoch, and takes new work.
     assert wait_for(lambda: registered(stack).get(stack.addresses[victim], old_epochs[stack.addresses[victim]])
