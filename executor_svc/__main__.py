@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServingConfig, parse
 from pagedserve.service import Security, Service, channel, configure_logging
@@ -47,13 +48,20 @@ def main(argv: list[str] | None = None) -> None:
     if serving.kvcache:
         registration = KVCacheRegistration(
             kvcache_pb2_grpc.KVCacheStub(channel(serving.kvcache, security)),
-            serving.advertise_address or service.address, lambda: executor_info(runner),
+            serving.advertise_address or advertised(service.address), lambda: executor_info(runner),
             on_refused=lambda: os.kill(os.getpid(), signal.SIGTERM))
         registration.start()
     service.serve_until_signalled(main_loop=servicer.worker.run,
                                   on_stop=registration.stop if registration is not None else None)
     if registration is not None and registration.refused:
         raise SystemExit(f"executor_svc: the KV-cache service at {serving.kvcache} refused it: {registration.refused}")
+
+
+def advertised(listen_address: str) -> str:
+    """Where the others reach an executor listening on every interface: its host name (a container's, which
+    the compose network resolves) at its port."""
+    host, port = listen_address.rsplit(":", 1)
+    return f"{socket.gethostname()}:{port}" if host in ("0.0.0.0", "[::]") else listen_address
 
 
 if __name__ == "__main__":

@@ -9,10 +9,9 @@ from __future__ import annotations
 import logging
 
 from kvcache_svc.build import build_block_manager
-from kvcache_svc.durable_state import DurableState
+from kvcache_svc.durable_state import DurableState, RegistrationStore
 from kvcache_svc.executor_pools import ExecutorPools
 from kvcache_svc.server import KVCacheServicer, registration_from_proto
-from pagedserve.convert import block_step_request_from_proto
 from pagedserve.config import CacheConfig, ServingConfig, parse
 from pagedserve.service import Security, Service, channel, configure_logging
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
@@ -37,39 +36,44 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(serving.log_level)
     security = Security.from_config(serving)
     cache = configs[CacheConfig]
+    redis_client = None
+    if cache.redis_url:
+        import redis
+
+        redis_client = redis.Redis.from_url(cache.redis_url, socket_timeout=2.0)
+    # With Redis, each pool's state is journaled there and a restart resumes from it; registered executors
+    # are kept there too, so that their pools are restored before they next beat.
+    journals: dict[str, DurableState] = {}
+
+    def journal(address: str) -> DurableState:
+        if address not in journals:
+            journals[address] = DurableState(redis_client, cache.redis_namespace,
+                                             pool="" if serving.executor else address)
+        return journals[address]
+
     pools = ExecutorPools(lambda registration: build_block_manager(cache, registration.pool), cache.routing,
                           serving.heartbeat_ttl)
-    durable = None
+    registrations = None
     if serving.executor:
         with channel(serving.executor, security) as ch:
             info = executor_pb2_grpc.ExecutorStub(ch).GetInfo(
                 executor_pb2.ExecutorInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout
             )
-        pools.register(registration_from_proto(kvcache_pb2.ExecutorRegistration(address=serving.executor, info=info)),
-                       expires=False)
-        [pool] = pools.pools.values()
-        durable = durable_state(cache, pool.manager)
+        saved = [kvcache_pb2.ExecutorRegistration(address=serving.executor, info=info).SerializeToString()]
         logger.info("block pool: %d blocks of %d tokens", info.num_blocks, info.block_size)
+    else:
+        if redis_client is not None:
+            registrations = RegistrationStore(redis_client, cache.redis_namespace, serving.heartbeat_ttl)
+        saved = registrations.load() if registrations is not None else []
+    servicer = KVCacheServicer(pools, journal if redis_client is not None else None, registrations,
+                               accepts_registrations=not serving.executor)
+    for data in saved:
+        servicer.register(registration_from_proto(kvcache_pb2.ExecutorRegistration.FromString(data)),
+                          expires=not serving.executor)
     service = Service("kvcache_svc", serving.host, serving.listen_port("kvcache_svc"), security=security,
                       dependencies={"executor_svc": serving.executor} if serving.executor else {})
-    kvcache_pb2_grpc.add_KVCacheServicer_to_server(
-        KVCacheServicer(pools, durable, accepts_registrations=not serving.executor), service.server)
+    kvcache_pb2_grpc.add_KVCacheServicer_to_server(servicer, service.server)
     service.serve_until_signalled()
-
-
-def durable_state(cache: CacheConfig, manager) -> DurableState | None:
-    """With Redis, the pool's state is kept there and a restart resumes from it."""
-    if not cache.redis_url:
-        return None
-    import redis
-
-    durable = DurableState(redis.Redis.from_url(cache.redis_url, socket_timeout=2.0), cache.redis_namespace)
-    replayed = durable.restore(manager, lambda data: block_step_request_from_proto(
-        kvcache_pb2.BlockStepRequest.FromString(data)))
-    if replayed >= 0:
-        logger.warning("restored the block manager's state from Redis (%d requests, %d journaled steps replayed)",
-                       manager.num_requests, replayed)
-    return durable
 
 
 if __name__ == "__main__":

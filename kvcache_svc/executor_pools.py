@@ -61,14 +61,20 @@ class ExecutorPools:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.clock = clock
         self.pools: dict[str, ExecutorPool] = {}
+        # Until a heartbeat period has passed since start-up, an executor a running request names may simply not
+        # have registered again yet (this service restarted): the step waits for it rather than lose its requests.
+        self.started_at = clock()
+        # The part of the last step each pool served, as it served it (what a journal of its state records).
+        self.served: dict[str, BlockStepRequest] = {}
         self._next_in_turn = 0  # round_robin: the index of the executor the next request goes to
 
     # ------------------------------------------------------------------ membership
 
-    def register(self, registration: ExecutorRegistration, expires: bool = True) -> bool:
+    def register(self, registration: ExecutorRegistration, expires: bool = True,
+                 manager: KVCacheManager | None = None) -> bool:
         """Adds the executor, or renews its registration (a heartbeat); True when its pool is new (a first
-        registration, or a new epoch). Raises ExecutorRefused when its model or block size differs from the
-        others'."""
+        registration, or a new epoch). manager: its pool as restored from a saved state (else a new one is
+        built). Raises ExecutorRefused when its model or block size differs from the others'."""
         for other in self.pools.values():
             theirs = other.registration
             if theirs.address == registration.address:
@@ -80,13 +86,17 @@ class ExecutorPools:
                     f"blocks of {registration.block_size} tokens, but executor {theirs.address} serves "
                     f"{theirs.model_fingerprint!r} with blocks of {theirs.block_size}: every executor must "
                     f"serve the same model and block size")
-        known = self.pools.get(registration.address)
-        if known is not None and known.registration.epoch == registration.epoch:
-            known.last_heartbeat = self.clock()
+        if not self.is_new(registration):
+            self.pools[registration.address].last_heartbeat = self.clock()
             return False
-        self.pools[registration.address] = ExecutorPool(registration, self.build_manager(registration),
+        self.pools[registration.address] = ExecutorPool(registration, manager or self.build_manager(registration),
                                                        self.clock(), expires)
         return True
+
+    def is_new(self, registration: ExecutorRegistration) -> bool:
+        """Whether registering it would start a pool (a first registration, or a new epoch)."""
+        known = self.pools.get(registration.address)
+        return known is None or known.registration.epoch != registration.epoch
 
     def drop(self, address: str) -> bool:
         """Forgets the executor and its pool (its requests are then reported preempted); False if unknown."""
@@ -118,17 +128,20 @@ class ExecutorPools:
             address = request.executor_id or self._only_executor("a running request")
             if address in parts:
                 parts[address][0].append(request)
+            elif self.clock() - self.started_at < self.heartbeat_ttl_s:
+                raise NoExecutor(f"executor {address} has not registered again since this service started")
             else:  # its executor is gone, and its KV with it
                 preempted.append(request.request_id)
         for request, address in zip(step_request.waiting, self.route(step_request.waiting)):
             parts[address][1].append(request)
-        results = {}
+        results, self.served = {}, {}
         for address, (running, waiting) in parts.items():
             pool = self.pools[address]
             # A scheduler driving one executor names the instance it plans for; else it is the registered one.
             epoch = (step_request.executor_epoch if len(self.pools) == 1 else "") or pool.registration.epoch
-            results[address] = pool.manager.step(replace(step_request, executor_epoch=epoch, running=running,
-                                                         waiting=waiting))
+            part = self.served[address] = replace(step_request, executor_epoch=epoch, running=running,
+                                                  waiting=waiting)
+            results[address] = pool.manager.step(part)
             results[address].executor_epoch = epoch
         if preempted:
             first = next(iter(results.values()))

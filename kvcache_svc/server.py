@@ -1,14 +1,19 @@
 """The KV-cache service: the block manager behind one batched call per engine step, one pool per executor."""
 from __future__ import annotations
 
+import logging
 import threading
 
 import grpc
 
-from kvcache_svc.durable_state import DurableState
+from collections.abc import Callable
+
+from kvcache_svc.durable_state import DurableState, RegistrationStore
 from kvcache_svc.executor_pools import ExecutorPools, ExecutorRefused, ExecutorRegistration, NoExecutor
-from pagedserve.convert import block_step_request_from_proto, block_step_results_to_proto
+from pagedserve.convert import block_step_request_from_proto, block_step_request_to_proto, block_step_results_to_proto
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc
+
+logger = logging.getLogger("kvcache_svc")
 
 # The counters of KVCacheStats that add up over executors (usage is worked out from the sums).
 _SUMMED = ("num_blocks", "num_free_blocks", "num_in_use", "num_cached_evictable", "num_requests",
@@ -26,11 +31,13 @@ def registration_from_proto(message: kvcache_pb2.ExecutorRegistration) -> Execut
 
 
 class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
-    def __init__(self, pools: ExecutorPools, durable: DurableState | None = None,
-                 accepts_registrations: bool = True) -> None:
-        """durable: the journal of the one executor given at start-up (accepts_registrations is then False)."""
+    def __init__(self, pools: ExecutorPools, journal: Callable[[str], DurableState] | None = None,
+                 registrations: RegistrationStore | None = None, accepts_registrations: bool = True) -> None:
+        """journal: each pool's saved state, by executor address (with Redis); registrations: where they are
+        kept too (with Redis); accepts_registrations: False when following the one executor given at start-up."""
         self.pools = pools
-        self.durable = durable
+        self.journal = journal
+        self.registrations = registrations
         self.accepts_registrations = accepts_registrations
         self.lock = threading.Lock()  # one scheduler drives the pools; registrations and stats come meanwhile
         self.num_step_calls = 0
@@ -41,7 +48,7 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         with self.lock:
-            self.pools.expire()
+            self._expire()
             self.num_step_calls += 1
             try:
                 results = self.pools.step(step)
@@ -49,9 +56,10 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
             except ValueError as error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            if self.durable is not None:  # journaled before the answer leaves
-                [pool] = self.pools.pools.values()
-                self.durable.record(pool.manager, request.SerializeToString())
+            if self.journal is not None:  # each pool's part, journaled before the answer leaves
+                for address, part in self.pools.served.items():
+                    self.journal(address).record(self.pools.pools[address].manager,
+                                                 block_step_request_to_proto(part).SerializeToString())
         return block_step_results_to_proto(results)
 
     def RegisterExecutor(self, request, context):
@@ -64,18 +72,44 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
         except ValueError as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         with self.lock:
-            self.pools.expire()
+            self._expire()
             try:
-                new_pool = self.pools.register(registration)
+                new_pool = self.register(registration)
             except ExecutorRefused as error:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            if self.registrations is not None:
+                self.registrations.save(registration.address, request.SerializeToString())
         return kvcache_pb2.RegistrationReply(new_pool=new_pool, heartbeat_ttl_s=self.pools.heartbeat_ttl_s)
 
     def ListExecutors(self, request, context):
         with self.lock:
-            self.pools.expire()
+            self._expire()
             return kvcache_pb2.ExecutorList(executors=[
                 kvcache_pb2.RegisteredExecutor(address=r.address, epoch=r.epoch) for r in self.pools.executors()])
+
+    def register(self, registration: ExecutorRegistration, expires: bool = True) -> bool:
+        """Registers the executor (see ExecutorPools.register); a new pool starts from the state saved for that
+        executor instance, if any (this service restarted under it), else empty."""
+        manager = None
+        if self.journal is not None and self.pools.is_new(registration):
+            journal = self.journal(registration.address)
+            manager = self.pools.build_manager(registration)
+            replayed = journal.restore(manager, lambda data: block_step_request_from_proto(
+                kvcache_pb2.BlockStepRequest.FromString(data)))
+            if manager.executor_epoch == registration.epoch:
+                logger.warning("restored the pool of executor %s from Redis (%d requests, %d journaled steps "
+                               "replayed)", registration.address, manager.num_requests, replayed)
+            else:  # saved for another instance of it, whose KV is gone
+                manager = None
+                journal.discard()
+        return self.pools.register(registration, expires, manager)
+
+    def _expire(self) -> None:
+        for address in self.pools.expire():
+            if self.registrations is not None:
+                self.registrations.drop(address)
+            if self.journal is not None:
+                self.journal(address).discard()
 
     def GetStats(self, request, context):
         with self.lock:

@@ -276,7 +276,8 @@ class ServingConfig(_Config):
     kvcache: str | None = option(None, "host:port of kvcache_svc (executor_svc: registers there, and renews "
                                        "its registration by heartbeat)")
     advertise_address: str | None = option(None, "executor_svc: host:port the other services reach it at, which "
-                                                 "it registers under (default: the address it listens on)")
+                                                 "it registers under (default: the address it listens on; on 0.0.0.0, its host "
+                                                 "name at that port)")
     heartbeat_ttl: float = option(3.0, "kvcache_svc: seconds after which an executor that registered and sent no "
                                        "heartbeat is dropped, with its pool (executors beat 3 times as often)",
                                   min=0.1)

@@ -278,7 +278,9 @@ class ComposeStack(LocalProcesses):
             if name not in self.services:
                 raise ComposeError(f"--scale {name}: no such service is enabled (profiles: {', '.join(profiles)})")
             self.services[name].replicas = count
-        self._check_executors()
+        if not any(is_service_module(s.command) and s.command[2] == "executor_svc" for s in self.services.values()):
+            # The scheduler would wait for an executor to register, forever.
+            raise ComposeError("no enabled service runs executor_svc (does a profile enable one? --profile)")
         self.names = {alias: service.name for service in self.services.values()
                       for alias in (service.name, *service.aliases)}
         self.replicas = {replica_name(service.name, k): Replica(service.name, k, replica_name(service.name, k))
@@ -293,14 +295,6 @@ class ComposeStack(LocalProcesses):
                          for name, r in self.replicas.items()}
         self.checks = {name: self._local_command(name, self.services[r.service].healthcheck)
                        for name, r in self.replicas.items() if self.services[r.service].healthcheck}
-
-    def _check_executors(self) -> None:
-        """The compose file's services follow one executor (`--executor executor:50054`): replicas of it would
-        share that one name, where registering with the KV-cache service needs one address per replica."""
-        for service in self.services.values():
-            if is_service_module(service.command) and service.command[2] == "executor_svc" and service.replicas > 1:
-                raise ComposeError(f"{service.replicas} executors asked for, but the services of a compose file follow "
-                                   f"one executor; scale executors with `pagedserve up --executors N`")
 
     # -------------------------------------------------------------------------- addresses
     def listen_host(self, service: str) -> str:

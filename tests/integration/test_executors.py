@@ -134,3 +134,30 @@ def test_an_executor_killed_under_load_every_request_completes_unchanged(stack, 
     before = kv_stats(stack).executors[stack.addresses[victim]].prefix_cache_queries
     assert run_all(stack, more, "after") == greedy(reference, more)
     assert kv_stats(stack).executors[stack.addresses[victim]].prefix_cache_queries > before
+
+
+def test_kvcache_killed_with_redis_restores_every_executors_pool(model, reference, redis_server):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 150) for _ in range(rng.randint(4, 60))] for _ in range(32)]
+    max_tokens = 32
+    expected = greedy(reference, prompts, max_tokens)
+    config = PagedServeConfig.from_kwargs(model=model, device="cpu", port=0, log_level="WARNING",
+                                          kv_cache_memory=64 << 20, executors=2, redis_url=redis_server.url,
+                                          restart_backoff=0.5, max_restarts=2)
+    with Stack(config) as stack:
+        assert wait_for(lambda: len(registered(stack)) == 2, timeout=30)
+        old_pid = stack.processes["kvcache_svc"].pid
+        with ThreadPoolExecutor(1) as killer:
+            def kill_when_both_busy() -> None:
+                wait_for(lambda: all(s.num_requests for s in kv_stats(stack).executors.values()), timeout=60)
+                os.kill(old_pid, signal.SIGKILL)
+
+            kill = killer.submit(kill_when_both_busy)
+            got = run_all(stack, prompts, "durable", parallel=32, max_tokens=max_tokens)
+            kill.result()
+        stats = scheduler_stats(stack)
+        assert stack.processes["kvcache_svc"].pid != old_pid, "the KV-cache service was not restarted"
+        assert wait_for(lambda: len(registered(stack)) == 2, timeout=30)
+    assert got == expected
+    # The restarted service took over both saved pools: nobody had to be recomputed.
+    assert stats.num_recomputed_tokens == 0 and stats.num_preemptions == 0

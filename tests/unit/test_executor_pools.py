@@ -132,6 +132,7 @@ def test_block_counts_of_the_pools_add_up_and_a_dropped_executor_frees_exactly_i
     lost = driver.placed("r3")
     survivor = next(a for a in stats if a != lost)
     before = pools.stats()[survivor]
+    pools.clock.now = 10.0  # long after start-up: an executor not registered is gone, not late
     assert pools.drop(lost)
     assert pools.stats() == {survivor: before}  # the survivor's pool is untouched
     # The lost executor's requests are reported preempted (the scheduler re-admits them), the others served.
@@ -156,6 +157,16 @@ def test_registrations_expire_without_heartbeats_and_a_new_epoch_starts_an_empty
     assert pools.pools["a:1"].manager.num_requests == 0
     results = driver.step(running=[("r", 16)])
     assert results["a:1"].preempted_request_ids == ["r"] and holder in ("a:1", "b:1")
+
+
+def test_after_a_restart_a_step_waits_for_the_executors_to_register_again():
+    clock = Clock()
+    pools = make_pools("a:1", clock=clock)  # b:1 has not beaten since this service started
+    running = BlockStepRequest(running=[BlockRequest("r", 4, executor_id="b:1")])
+    with pytest.raises(NoExecutor, match="b:1 has not registered again"):
+        pools.step(running)
+    clock.now = 3.5  # a heartbeat period on: it is gone, and its requests are recomputed
+    assert pools.step(running)["a:1"].preempted_request_ids == ["r"]
 
 
 def test_another_model_or_block_size_is_refused_with_a_clear_error():
