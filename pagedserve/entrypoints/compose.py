@@ -278,9 +278,12 @@ class ComposeStack(LocalProcesses):
             if name not in self.services:
                 raise ComposeError(f"--scale {name}: no such service is enabled (profiles: {', '.join(profiles)})")
             self.services[name].replicas = count
-        if not any(is_service_module(s.command) and s.command[2] == "executor_svc" for s in self.services.values()):
-            # The scheduler would wait for an executor to register, forever.
-            raise ComposeError("no enabled service runs executor_svc (does a profile enable one? --profile)")
+        modules = [s.command[2] for s in self.services.values() if is_service_module(s.command)]
+        waits = any(s.command[2] == "scheduler_svc" and "--executor" not in s.command
+                    for s in self.services.values() if is_service_module(s.command))
+        if waits and "executor_svc" not in modules:  # it would wait for an executor to register, in vain
+            raise ComposeError("the scheduler drives the executors that register, but no enabled service runs "
+                               "executor_svc (does a profile enable one? --profile)")
         self.names = {alias: service.name for service in self.services.values()
                       for alias in (service.name, *service.aliases)}
         self.replicas = {replica_name(service.name, k): Replica(service.name, k, replica_name(service.name, k))

@@ -123,7 +123,7 @@ def test_every_variable_of_the_compose_file_is_documented():
 def test_the_compose_file_needs_the_redis_password():
     with pytest.raises(ValueError, match="PAGEDSERVE_REDIS_PASSWORD must be set"):
         load(COMPOSE, {})
-    with pytest.raises(ValueError, match=r"no enabled service runs executor_svc \(does a profile enable one\? "
+    with pytest.raises(ValueError, match=r"but no enabled service runs executor_svc \(does a profile enable one\? "
                                          r"--profile\)"):
         ComposeStack(COMPOSE, environ=REQUIRED)
 
