@@ -108,7 +108,7 @@ class ExecutorPools:
         gone = [address for address, pool in self.pools.items()
                 if pool.expires and now - pool.last_heartbeat > self.heartbeat_ttl_s]
         for address in gone:
-            del self.pools[address]
+            self.drop(address)
         return gone
 
     def executors(self) -> list[ExecutorRegistration]:
