@@ -121,9 +121,8 @@ class _PendingParts:
                 results.append(part.result())
             except (ExecutorUnavailable, StepFailed) as error:
                 errors.append(error)
-        # An executor lost makes the whole step's outcome unknown; else a part that raised fails the step.
-        for error in sorted(errors, key=lambda e: not isinstance(e, ExecutorUnavailable)):
-            raise error
+        if errors:  # an executor lost makes the whole step's outcome unknown; else a part that raised fails it
+            raise next((e for e in errors if isinstance(e, ExecutorUnavailable)), errors[0])
         return merge_results(results)
 
 
