@@ -2,11 +2,17 @@
 cached prefix, ties to the least loaded, or round-robin), registrations that expire, and an executor's loss."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvcache_svc.executor_pools import ExecutorPools, ExecutorRefused, ExecutorRegistration, NoExecutor
 from kvcache_svc.kv_cache_manager import KVCacheManager
-from pagedserve.step import BlockRequest, BlockStepRequest
+from pagedserve.config import SchedulerConfig
+from pagedserve.step import BlockRequest, BlockStepRequest, ExecuteStep, merge_results
+from scheduler_svc.engine_loop import CompletedCall, EngineLoop
+from scheduler_svc.scheduler import Scheduler
+from tests.unit.test_scheduler import CheckingExecutor, add
 
 BLOCK = 4
 
@@ -187,3 +193,49 @@ def test_several_executors_need_running_requests_to_name_theirs_and_none_is_unav
         make_pools().step(BlockStepRequest())
     with pytest.raises(ValueError, match="routing"):
         make_pools(routing="random")
+
+
+def run_split(num_executors: int, prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], ExecutorPools, dict]:
+    """The real scheduler and engine loop over `num_executors` pools, each executor a CheckingExecutor (which
+    reads every token back through its own pool's block tables, so a request planned on one executor's blocks
+    and run on another's changes its output); each step's parts run on their executors."""
+    pools = make_pools(*[f"e{i}:1" for i in range(num_executors)], num_blocks=64)
+    executors = {address: CheckingExecutor(pool.manager, BLOCK) for address, pool in pools.pools.items()}
+    calls = {"kv": 0}
+
+    def allocate(request):
+        calls["kv"] += 1
+        return pools.step(request)
+
+    def execute(step: ExecuteStep):
+        parts = step.parts or [step]
+        assert sorted(p.executor_id for p in parts) == sorted(executors), "one part per executor, every step"
+        for part in parts:
+            for row in part.requests:  # each row goes where its blocks are
+                assert pools.pools[part.executor_id].manager.block_ids(row.request_id)
+        return merge_results([executors[part.executor_id](part) for part in parts])
+
+    scheduler = Scheduler(SchedulerConfig(block_size=BLOCK, max_num_batched_tokens=32, max_model_len=256), allocate)
+    loop = EngineLoop(scheduler, lambda step: CompletedCall(execute, step), lambda outputs: None, lambda: "")
+    outputs = {request_id: [] for request_id in prompts}
+    for request_id, prompt in prompts.items():
+        add(scheduler, request_id, prompt, temperature=0, max_tokens=6, ignore_eos=True)
+    steps = 0
+    while loop.has_work():
+        for output in loop.step():
+            outputs[output.request_id].extend(output.new_token_ids)
+        steps += 1
+    assert calls["kv"] == loop.num_steps == steps  # one KV call per step, however many executors
+    return outputs, pools, executors
+
+
+def test_a_step_split_over_executors_gives_the_outputs_of_one_executor():
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(1, 90) for _ in range(3 * BLOCK)] for _ in range(4)]
+    prompts = {f"p{p}-{s}": prefixes[p] + [rng.randrange(1, 90) for _ in range(rng.randint(1, 6))]
+               for p in range(4) for s in range(4)}
+    alone, _, _ = run_split(1, prompts)
+    split, pools, executors = run_split(2, prompts)
+    assert split == alone
+    assert all(executor.steps and any(s.requests for s in executor.steps) for executor in executors.values())
+    assert all(pool.manager.num_requests == 0 for pool in pools.pools.values())
