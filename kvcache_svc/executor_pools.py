@@ -98,9 +98,14 @@ class ExecutorPools:
         known = self.pools.get(registration.address)
         return known is None or known.registration.epoch != registration.epoch
 
-    def drop(self, address: str) -> bool:
-        """Forgets the executor and its pool (its requests are then reported preempted); False if unknown."""
-        return self.pools.pop(address, None) is not None
+    def drop(self, address: str, epoch: str | None = None) -> bool:
+        """Forgets the executor and its pool (its requests are then reported preempted), if registered (under
+        that epoch, when given); whether it was."""
+        pool = self.pools.get(address)
+        if pool is None or epoch not in (None, pool.registration.epoch):
+            return False
+        del self.pools[address]
+        return True
 
     def expire(self) -> list[str]:
         """Drops the executors whose heartbeats stopped; their addresses."""

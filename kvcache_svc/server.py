@@ -104,12 +104,26 @@ class KVCacheServicer(kvcache_pb2_grpc.KVCacheServicer):
                 journal.discard()
         return self.pools.register(registration, expires, manager)
 
+    def DropExecutor(self, request, context):
+        with self.lock:
+            dropped = self.pools.drop(request.address, request.epoch)
+            if dropped:
+                logger.warning("executor %s dropped with its pool: %s", request.address, request.reason)
+                self._forget(request.address)
+        return kvcache_pb2.DropExecutorReply(dropped=dropped)
+
     def _expire(self) -> None:
         for address in self.pools.expire():
-            if self.registrations is not None:
-                self.registrations.drop(address)
-            if self.journal is not None:
-                self.journal(address).discard()
+            logger.warning("executor %s dropped with its pool: no heartbeat for %g s", address,
+                           self.pools.heartbeat_ttl_s)
+            self._forget(address)
+
+    def _forget(self, address: str) -> None:
+        """What is kept of a dropped executor's pool: the KV it described is gone."""
+        if self.registrations is not None:
+            self.registrations.drop(address)
+        if self.journal is not None:
+            self.journal(address).discard()
 
     def GetStats(self, request, context):
         with self.lock:

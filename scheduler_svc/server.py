@@ -76,9 +76,21 @@ class RemoteBackends:
     def submit(self, step: ExecuteStep) -> "_PendingStep | _PendingParts":
         """Sends the step (each part to its executor) without waiting for it, on the executor's stream, opened
         again if it broke."""
-        pending = [self._stream(part.executor_id).send(part) for part in step.parts or [step]]
+        parts = step.parts or [step]
+        pending = [self._stream(part.executor_id).send(part) for part in parts]
         self.executor_rpcs += len(pending)
-        return pending[0] if len(pending) == 1 else _PendingParts(pending)
+        if self.executor_stub is not None:  # the one executor: followed through its epoch
+            return pending[0]
+        return _PendingParts(pending, [(part.executor_id, part.executor_epoch) for part in parts], self._lost)
+
+    def _lost(self, address: str, epoch: str, reason: str) -> None:
+        """A registered executor failed a step's RPC: the KV-cache service drops its pool (alive, it registers
+        again), so that its requests, rolled back, are admitted elsewhere rather than routed to it again."""
+        try:
+            self.kvcache_stub.DropExecutor(kvcache_pb2.DropExecutorRequest(address=address, epoch=epoch,
+                                                                           reason=reason), timeout=EPOCH_TIMEOUT_S)
+        except grpc.RpcError:
+            pass  # its heartbeats stop all the same, if it is gone
 
     def _stream(self, address: str) -> "_StepStream":
         stream = self.streams.get(address)
@@ -108,18 +120,23 @@ class RemoteBackends:
 
 
 class _PendingParts:
-    """A step's parts out on several executors: its result once all are back (each waited for, so that none is
-    still running when the step is rolled back), the first failure if any failed."""
+    """A step's parts out on the registered executors: its result once all are back (each waited for, so that
+    none is still running when the step is rolled back), the first failure if any failed. An executor that did
+    not answer is reported lost (on_lost(address, epoch, reason))."""
 
-    def __init__(self, parts: list["_PendingStep"]) -> None:
-        self.parts = parts
+    def __init__(self, parts: list["_PendingStep"], executors: list[tuple[str, str]],
+                 on_lost: Callable[[str, str, str], None]) -> None:
+        self.parts, self.executors, self.on_lost = parts, executors, on_lost
 
     def result(self) -> ExecuteResult:
         results, errors = [], []
-        for part in self.parts:
+        for part, (address, epoch) in zip(self.parts, self.executors):
             try:
                 results.append(part.result())
-            except (ExecutorUnavailable, StepFailed) as error:
+            except ExecutorUnavailable as error:
+                self.on_lost(address, epoch, str(error))
+                errors.append(error)
+            except StepFailed as error:
                 errors.append(error)
         if errors:  # an executor lost makes the whole step's outcome unknown; else a part that raised fails it
             raise next((e for e in errors if isinstance(e, ExecutorUnavailable)), errors[0])

@@ -27,6 +27,22 @@ class ListExecutorsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DropExecutorRequest(_message.Message):
+    __slots__ = ("address", "epoch", "reason")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    epoch: str
+    reason: str
+    def __init__(self, address: _Optional[str] = ..., epoch: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DropExecutorReply(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    def __init__(self, dropped: bool = ...) -> None: ...
+
 class RegisteredExecutor(_message.Message):
     __slots__ = ("address", "epoch")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]

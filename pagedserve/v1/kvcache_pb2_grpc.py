@@ -54,6 +54,11 @@ class KVCacheStub(object):
                 request_serializer=pagedserve_dot_v1_dot_kvcache__pb2.ListExecutorsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.ExecutorList.FromString,
                 _registered_method=True)
+        self.DropExecutor = channel.unary_unary(
+                '/pagedserve.v1.KVCache/DropExecutor',
+                request_serializer=pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorReply.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer(object):
@@ -85,6 +90,14 @@ class KVCacheServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropExecutor(self, request, context):
+        """The scheduler lost an executor instance (a step's RPC failed): its pool is dropped, its requests reported
+        preempted; alive, it registers again with an empty pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +120,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.ListExecutors,
                     request_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.ListExecutorsRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_kvcache__pb2.ExecutorList.SerializeToString,
+            ),
+            'DropExecutor': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropExecutor,
+                    request_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +235,33 @@ class KVCache(object):
             '/pagedserve.v1.KVCache/ListExecutors',
             pagedserve_dot_v1_dot_kvcache__pb2.ListExecutorsRequest.SerializeToString,
             pagedserve_dot_v1_dot_kvcache__pb2.ExecutorList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropExecutor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.KVCache/DropExecutor',
+            pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorRequest.SerializeToString,
+            pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorReply.FromString,
             options,
             channel_credentials,
             insecure,

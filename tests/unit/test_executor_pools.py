@@ -139,7 +139,8 @@ def test_block_counts_of_the_pools_add_up_and_a_dropped_executor_frees_exactly_i
     survivor = next(a for a in stats if a != lost)
     before = pools.stats()[survivor]
     pools.clock.now = 10.0  # long after start-up: an executor not registered is gone, not late
-    assert pools.drop(lost)
+    assert not pools.drop(lost, epoch="0")  # another instance than the one registered: kept
+    assert pools.drop(lost, epoch="1")
     assert pools.stats() == {survivor: before}  # the survivor's pool is untouched
     # The lost executor's requests are reported preempted (the scheduler re-admits them), the others served.
     results = driver.step(running=[(r, BLOCK * (int(r[1]) + 1)) for r in sorted(driver.where)])
