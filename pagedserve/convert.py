@@ -130,7 +130,9 @@ def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockS
     columns.new_tokens_starts[:] = [r.new_tokens_start for r in running]
     columns.new_token_ids[:] = [t for r in running if r.new_token_ids for t in r.new_token_ids]
     if any(r.executor_id for r in running):
-        columns.executor_ids[:] = [r.executor_id for r in running]
+        index = {address: i for i, address in enumerate(dict.fromkeys(r.executor_id for r in running))}
+        columns.executors[:] = list(index)
+        columns.executor_indexes[:] = [index[r.executor_id] for r in running]
     for r in request.waiting:
         out.waiting.add(request_id=r.request_id, num_tokens=r.num_tokens, prompt_token_ids=r.prompt_token_ids,
                         cache_salt=r.cache_salt or "")
@@ -159,10 +161,12 @@ def _running_from_proto(columns: kvcache_pb2.RunningRequests) -> list[BlockReque
     if not len(ids) == len(columns.num_tokens) == len(counts) == len(columns.new_tokens_starts):
         raise ValueError(f"running: {len(ids)} request_ids, {len(columns.num_tokens)} num_tokens, {len(counts)} "
                          f"num_new_tokens and {len(columns.new_tokens_starts)} new_tokens_starts must be as many")
-    if columns.executor_ids and len(columns.executor_ids) != len(ids):
-        raise ValueError(f"running: executor_ids must be none or one per request ({len(ids)}), got "
-                         f"{len(columns.executor_ids)}")
-    executor_ids = list(columns.executor_ids) or [""] * len(ids)
+    indexes = list(columns.executor_indexes)
+    if indexes and len(indexes) != len(ids):
+        raise ValueError(f"running: executor_indexes must be none or one per request ({len(ids)}), got {len(indexes)}")
+    if indexes and not 0 <= min(indexes) <= max(indexes) < len(columns.executors):
+        raise ValueError(f"running: executor_indexes must index the {len(columns.executors)} executors")
+    executor_ids = [columns.executors[i] for i in indexes] if indexes else [""] * len(ids)
     if (counts and min(counts) < 0) or sum(counts) != len(tokens):
         raise ValueError(f"running: num_new_tokens must count the {len(tokens)} new_token_ids")
     running, at = [], 0

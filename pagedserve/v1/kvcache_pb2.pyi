@@ -70,20 +70,22 @@ class BlockRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RunningRequests(_message.Message):
-    __slots__ = ("request_ids", "num_tokens", "num_new_tokens", "new_tokens_starts", "new_token_ids", "executor_ids")
+    __slots__ = ("request_ids", "num_tokens", "num_new_tokens", "new_tokens_starts", "new_token_ids", "executors", "executor_indexes")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_STARTS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    EXECUTOR_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_INDEXES_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     new_tokens_starts: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    executor_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_tokens_starts: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., executor_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    executors: _containers.RepeatedScalarFieldContainer[str]
+    executor_indexes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_tokens_starts: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., executors: _Optional[_Iterable[str]] = ..., executor_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStepRequest(_message.Message):
     __slots__ = ("scheduler_id", "executor_epoch", "step_id", "executed_step_ids", "failed_request_ids", "planned_step_id", "free_request_ids", "running", "waiting")
