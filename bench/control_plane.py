@@ -34,7 +34,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def run(args, async_scheduling: bool, stream_interval: int = 1) -> dict:
+def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int = 1) -> dict:
+    """args.requests streams on a stack of `executors` sleeping executors, measured over args.window seconds
+    once all of them run."""
     import grpc
 
     from pagedserve.client import build_request
@@ -44,18 +46,20 @@ def run(args, async_scheduling: bool, stream_interval: int = 1) -> dict:
 
     config = PagedServeConfig.from_kwargs(model=args.model, device="cpu", port=0, log_level="WARNING",
                                           benchmark_sleep_ms=args.sleep_ms, max_num_seqs=args.requests,
-                                          async_scheduling=async_scheduling, stream_interval=stream_interval,
+                                          async_scheduling=async_scheduling, executors=executors,
+                                          stream_interval=stream_interval,
                                           kv_cache_memory=96 << 30)  # no KV tensors: room for every request
     prompt_len = 8
     with Stack(config) as stack:
         loop = asyncio.new_event_loop()
         stop = asyncio.Event()
+        received = [0]  # tokens streamed back so far
 
         async def consume(stub, i: int, max_tokens: int) -> None:
             request = build_request(prompt_token_ids=[1 + i % 100] * prompt_len, max_tokens=max_tokens,
                                     ignore_eos=True, temperature=0.0)
-            async for _ in stub.Generate(request):
-                pass
+            async for response in stub.Generate(request):
+                received[0] += len(response.token_ids)
 
         async def load() -> None:
             async with grpc.aio.insecure_channel(stack.address) as channel:
@@ -78,9 +82,9 @@ def run(args, async_scheduling: bool, stream_interval: int = 1) -> dict:
             while stats().num_running < args.requests:
                 time.sleep(0.1)
             cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
-            start, t0 = stats(), time.perf_counter()
+            start, tokens0, t0 = stats(), received[0], time.perf_counter()
             time.sleep(args.window)
-            end, t1 = stats(), time.perf_counter()
+            end, tokens1, t1 = stats(), received[0], time.perf_counter()
             cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
         loop.call_soon_threadsafe(stop.set)
         clients.join(timeout=30)
@@ -88,7 +92,7 @@ def run(args, async_scheduling: bool, stream_interval: int = 1) -> dict:
     wall = t1 - t0
     return {
         "busy_fraction": round(steps * args.sleep_ms / 1e3 / wall, 4),
-        "steps": steps, "window_s": round(wall, 2),
+        "steps": steps, "window_s": round(wall, 2), "tokens_per_s": round((tokens1 - tokens0) / wall, 1),
         "step_ms": round(wall / steps * 1e3, 3) if steps else None,
         "overhead_ms_per_step": round(wall / steps * 1e3 - args.sleep_ms, 3) if steps else None,
         "cpu_ms_per_step": {name: round((cpu1[name] - cpu0[name]) / steps * 1e3, 3) if steps else None

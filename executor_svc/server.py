@@ -7,11 +7,13 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import grpc
+
 from executor_svc.model_runner import ModelRunner, StaleEpoch
 from executor_svc.offload import HostTier, RedisTier
 from pagedserve.convert import execute_result_to_proto, execute_step_from_proto
 from pagedserve.step import ExecuteStep
-from pagedserve.v1 import executor_pb2, executor_pb2_grpc
+from pagedserve.v1 import executor_pb2, executor_pb2_grpc, kvcache_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -128,3 +130,48 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
 
 def _step_error(code: str, message: str) -> executor_pb2.ExecuteResult:
     return executor_pb2.ExecuteResult(error=executor_pb2.StepError(code=code, message=message))
+
+
+class KVCacheRegistration:
+    """Registers the executor with the KV-cache service and renews the registration by heartbeat, on a thread
+    of its own, until stopped. A refusal (another model or block size than the executors already registered)
+    is final: refused says why, and on_refused is called."""
+
+    def __init__(self, stub, address: str, info: Callable[[], executor_pb2.ExecutorInfo],
+                 on_refused: Callable[[], None], first_interval_s: float = 1.0) -> None:
+        self.stub, self.address, self.info, self.on_refused = stub, address, info, on_refused
+        self.interval_s = first_interval_s
+        self.refused: str | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kvcache-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _run(self) -> None:
+        registered = False
+        while not self.stopping.is_set():
+            try:
+                reply = self.stub.RegisterExecutor(
+                    kvcache_pb2.ExecutorRegistration(address=self.address, info=self.info()),
+                    timeout=max(self.interval_s, 1.0))
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self.refused = error.details()
+                    logger.error("the KV-cache service refused this executor: %s", self.refused)
+                    self.on_refused()
+                    return
+                if registered:
+                    logger.warning("heartbeat to the KV-cache service failed (%s); retrying", error.code().name)
+                registered = False
+            else:
+                if not registered or reply.new_pool:
+                    logger.info("registered with the KV-cache service as %s (a new pool: %s)", self.address,
+                                reply.new_pool)
+                registered = True
+                # Three beats within the service's time to live, so that one lost beat drops nothing.
+                self.interval_s = reply.heartbeat_ttl_s / 3
+            self.stopping.wait(self.interval_s)

@@ -23,10 +23,12 @@ SNAPSHOT_EVERY_STEPS = 512
 
 
 class DurableState:
-    def __init__(self, client, namespace: str, snapshot_every: int = SNAPSHOT_EVERY_STEPS) -> None:
+    def __init__(self, client, namespace: str, snapshot_every: int = SNAPSHOT_EVERY_STEPS, pool: str = "") -> None:
+        """pool: whose state (an executor's address, with several); one executor's keys name none."""
         self.client = client
-        self.snapshot_key = f"{namespace}:kvcache:snapshot"
-        self.journal_key = f"{namespace}:kvcache:journal"
+        prefix = f"{namespace}:kvcache:{pool}:" if pool else f"{namespace}:kvcache:"
+        self.snapshot_key = f"{prefix}snapshot"
+        self.journal_key = f"{prefix}journal"
         self.snapshot_every = snapshot_every
         self.journal_length = 0
         self.failed = False
@@ -50,6 +52,15 @@ class DurableState:
         self.journal_length = len(entries)
         return len(entries)
 
+    def discard(self) -> None:
+        """Forgets the saved state: the pool it described is gone (a new executor instance starts empty)."""
+        try:
+            self.client.delete(self.snapshot_key, self.journal_key)
+        except Exception as error:
+            self.failed = True
+            logger.warning("block-manager state no longer saved to Redis (%s); a restart will start empty", error)
+        self.journal_length = 0
+
     def record(self, manager: KVCacheManager, step: bytes) -> None:
         """Journals the step just served (before its answer is sent); snapshots when the journal is long."""
         if self.failed:
@@ -68,3 +79,35 @@ class DurableState:
         except Exception as error:  # any Redis failure: serve on, but the saved state can no longer be trusted
             self.failed = True
             logger.warning("block-manager state no longer saved to Redis (%s); a restart will start empty", error)
+
+
+class RegistrationStore:
+    """The executors' registrations in Redis, each a key that expires unless renewed by a heartbeat, so that a
+    restarted KV-cache service knows, before they beat again, which executors it served (and restores their
+    pools before the scheduler's next call, rather than report their requests lost)."""
+
+    def __init__(self, client, namespace: str, ttl_s: float) -> None:
+        self.client = client
+        self.prefix = f"{namespace}:kvcache:executor:"
+        self.ttl_ms = max(int(ttl_s * 1000), 1)
+
+    def save(self, address: str, registration: bytes) -> None:
+        try:
+            self.client.set(self.prefix + address, registration, px=self.ttl_ms)
+        except Exception as error:  # the registry in memory goes on; only a restart would miss this one
+            logger.warning("executor registration not saved to Redis (%s)", error)
+
+    def drop(self, address: str) -> None:
+        try:
+            self.client.delete(self.prefix + address)
+        except Exception as error:
+            logger.warning("executor registration not removed from Redis (%s)", error)
+
+    def load(self) -> list[bytes]:
+        """The registrations still live."""
+        found = []
+        for key in self.client.scan_iter(match=self.prefix + "*"):
+            value = self.client.get(key)
+            if value is not None:
+                found.append(value)
+        return found

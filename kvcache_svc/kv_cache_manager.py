@@ -425,6 +425,14 @@ class KVCacheManager:
         self._served_last.append(state)
         return [block.block_id for block in state.blocks], num_cached
 
+    def cached_prefix_tokens(self, request_id: str, tokens: list[int], salt: str | None) -> int:
+        """Leading tokens of a waiting request that admitting it here would not compute (pool, its swapped
+        copies, the tier); changes nothing but the tier's query counters."""
+        self._replayed_answers = None
+        prefix = self._cached_prefix(request_id, tokens, salt)
+        self.tier_answers = []  # a question asked for routing, not part of any step a journal replays
+        return (len(prefix.hits) + prefix.num_loads) * self.block_size + (prefix.partial[1] if prefix.partial else 0)
+
     def _cached_prefix(self, request_id: str, tokens: list[int], salt: str | None) -> CachedPrefix:
         """The longest run of leading full blocks already in the pool; after them, those of the request's own
         swapped copies, then those the tier holds; and its swapped partial block if the runs reach it."""

@@ -206,6 +206,10 @@ class CacheConfig(_Config):
                 "recompute", choices=("recompute", "swap", "auto"))
     swap_host_bytes: int = option(1 << 30, "bytes of host memory for the blocks of requests preempted by swap",
                                   min=1)
+    routing: str = option("kv", "with several executors, where kvcache_svc admits a new request: `kv`, the executor "
+                                "whose pool (then offload tier) holds the longest cached prefix of it, ties and "
+                                "misses to the least loaded (KV usage, then tokens queued); `round_robin`, in turn",
+                          choices=("kv", "round_robin"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -272,7 +276,14 @@ class ServingConfig(_Config):
                                      f"kvcache_svc {SERVICE_PORTS['kvcache_svc']}, executor_svc "
                                      f"{SERVICE_PORTS['executor_svc']}; 0: a free one)", min=0, max=65535)
     executor: str | None = option(None, "host:port of executor_svc")
-    kvcache: str | None = option(None, "host:port of kvcache_svc")
+    kvcache: str | None = option(None, "host:port of kvcache_svc (executor_svc: registers there, and renews "
+                                       "its registration by heartbeat)")
+    advertise_address: str | None = option(None, "executor_svc: host:port the other services reach it at, which "
+                                                 "it registers under (default: the address it listens on; on 0.0.0.0, its host "
+                                                 "name at that port)")
+    heartbeat_ttl: float = option(3.0, "kvcache_svc: seconds after which an executor that registered and sent no "
+                                       "heartbeat is dropped, with its pool (executors beat 3 times as often)",
+                                  min=0.1)
     scheduler: str | None = option(None, "host:port of scheduler_svc")
     log_level: str = option("INFO", "logging threshold", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     startup_timeout: float = option(600.0, "seconds to wait for the service this one needs (or, for "

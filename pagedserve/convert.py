@@ -129,6 +129,10 @@ def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockS
     columns.num_new_tokens[:] = [len(r.new_token_ids) if r.new_token_ids else 0 for r in running]
     columns.new_tokens_starts[:] = [r.new_tokens_start for r in running]
     columns.new_token_ids[:] = [t for r in running if r.new_token_ids for t in r.new_token_ids]
+    if any(r.executor_id for r in running):
+        index = {address: i for i, address in enumerate(dict.fromkeys(r.executor_id for r in running))}
+        columns.executors[:] = list(index)
+        columns.executor_indexes[:] = [index[r.executor_id] for r in running]
     for r in request.waiting:
         out.waiting.add(request_id=r.request_id, num_tokens=r.num_tokens, prompt_token_ids=r.prompt_token_ids,
                         cache_salt=r.cache_salt or "")
@@ -157,12 +161,19 @@ def _running_from_proto(columns: kvcache_pb2.RunningRequests) -> list[BlockReque
     if not len(ids) == len(columns.num_tokens) == len(counts) == len(columns.new_tokens_starts):
         raise ValueError(f"running: {len(ids)} request_ids, {len(columns.num_tokens)} num_tokens, {len(counts)} "
                          f"num_new_tokens and {len(columns.new_tokens_starts)} new_tokens_starts must be as many")
+    indexes = list(columns.executor_indexes)
+    if indexes and len(indexes) != len(ids):
+        raise ValueError(f"running: executor_indexes must be none or one per request ({len(ids)}), got {len(indexes)}")
+    if indexes and not 0 <= min(indexes) <= max(indexes) < len(columns.executors):
+        raise ValueError(f"running: executor_indexes must index the {len(columns.executors)} executors")
+    executor_ids = [columns.executors[i] for i in indexes] if indexes else [""] * len(ids)
     if (counts and min(counts) < 0) or sum(counts) != len(tokens):
         raise ValueError(f"running: num_new_tokens must count the {len(tokens)} new_token_ids")
     running, at = [], 0
-    for request_id, num_tokens, count, start in zip(ids, columns.num_tokens, counts, columns.new_tokens_starts):
+    for request_id, num_tokens, count, start, executor_id in zip(ids, columns.num_tokens, counts,
+                                                                 columns.new_tokens_starts, executor_ids):
         running.append(BlockRequest(request_id, num_tokens, new_token_ids=tokens[at:at + count] if count else None,
-                                    new_tokens_start=start))
+                                    new_tokens_start=start, executor_id=executor_id))
         at += count
     return running
 
@@ -171,7 +182,7 @@ def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStep
     """Only the deltas that add blocks travel: a running request served without new blocks (most of them,
     most steps) needs none, and an admitted request always gets blocks."""
     out = kvcache_pb2.BlockStepResult(preempted_request_ids=result.preempted_request_ids,
-                                      swap_free=result.swap_free)
+                                      swap_free=result.swap_free, executor_epoch=result.executor_epoch)
     for request_id, block_ids in result.new_block_ids.items():
         if not block_ids:
             continue
@@ -185,6 +196,18 @@ def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStep
     return out
 
 
+def block_step_results_to_proto(results: dict[str, BlockStepResult]) -> kvcache_pb2.BlockStepResults:
+    """Per executor address."""
+    out = kvcache_pb2.BlockStepResults()
+    for address, result in results.items():
+        out.executors[address].CopyFrom(block_step_result_to_proto(result))
+    return out
+
+
+def block_step_results_from_proto(message: kvcache_pb2.BlockStepResults) -> dict[str, BlockStepResult]:
+    return {address: block_step_result_from_proto(result) for address, result in message.executors.items()}
+
+
 def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockStepResult:
     return BlockStepResult(
         new_block_ids={rid: list(d.block_ids) for rid, d in message.deltas.items()},
@@ -195,6 +218,7 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
         saves_after=_transfers_from_proto(message.saves_after),
         swap_out=_transfers_from_proto(message.swap_out),
         swap_free=list(message.swap_free),
+        executor_epoch=message.executor_epoch,
     )
 
 

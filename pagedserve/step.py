@@ -10,6 +10,7 @@ the executor (``ExecuteStep`` -> ``ExecuteResult``), whatever the batch size.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.sampling_params import SamplingParams
@@ -35,6 +36,8 @@ class BlockRequest:
     # can name the blocks they fill, and the position of the first (sending them twice changes nothing).
     new_token_ids: list[int] | None = None
     new_tokens_start: int = 0
+    # Running only: the address of the executor it lives on (none: the only one).
+    executor_id: str = ""
 
 
 @dataclass(slots=True)
@@ -99,6 +102,15 @@ class BlockStepResult:
     # step overwrites them; and the swap-space copies that are no longer needed.
     swap_out: list[BlockTransfer] = field(default_factory=list)
     swap_free: list[bytes] = field(default_factory=list)
+    # The executor instance whose pool served this answer (several executors: each has its own).
+    executor_epoch: str = ""
+
+
+def one_executor(step: Callable[[BlockStepRequest], BlockStepResult]) -> Callable[[BlockStepRequest],
+                                                                                   dict[str, BlockStepResult]]:
+    """A block manager of one executor's pool, answering as the KV-cache service does (per executor address)
+    under the empty address: what the scheduler's allocate_blocks takes."""
+    return lambda request: {"": step(request)}
 
 
 # --------------------------------------------------------------------------- scheduler -> executor
@@ -155,6 +167,11 @@ class ExecuteStep:
     # released once the step's loads are done (see BlockStepResult).
     swap_out: list[BlockTransfer] = field(default_factory=list)
     swap_free: list[bytes] = field(default_factory=list)
+    # The executor (its address) the step goes to; "" when there is only one. (Not sent: the channel says it.)
+    executor_id: str = ""
+    # A step over several executors: its part for each (requests holds every row, in the order planned, and
+    # the other fields are the parts'). Empty: the step is for one executor.
+    parts: list["ExecuteStep"] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -190,6 +207,21 @@ class ExecuteResult:
     # Requests that reached their sampling position but were not sampled, their grammar still compiling: their
     # last token is computed again in a later step, which samples them.
     deferred: list[str] = field(default_factory=list)
+
+
+def merge_results(results: list[ExecuteResult]) -> ExecuteResult:
+    """The results of a step's parts (one per executor) as the step's."""
+    merged = ExecuteResult()
+    for result in results:
+        merged.sampled.update(result.sampled)
+        merged.num_prefill_tokens += result.num_prefill_tokens
+        merged.num_decode_tokens += result.num_decode_tokens
+        merged.num_loaded_blocks += result.num_loaded_blocks
+        merged.num_failed_loads += result.num_failed_loads
+        merged.rejected.update(result.rejected)
+        merged.prompt_logprobs.update(result.prompt_logprobs)
+        merged.deferred.extend(result.deferred)
+    return merged
 
 
 # --------------------------------------------------------------------------- scheduler -> frontend

@@ -61,8 +61,8 @@ class CompletedCall:
 
 @dataclass(slots=True)
 class InFlightStep:
-    """A step sent to the executor whose result has not been applied. (Spread over several executors, it
-    would hold one pending call per executor, all of which must come back.)"""
+    """A step sent to the executor whose result has not been applied. (Spread over several executors, call
+    holds one pending call per executor, all of which must come back: see scheduler_svc/server.py.)"""
 
     step: ExecuteStep
     call: PendingResult

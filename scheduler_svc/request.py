@@ -19,7 +19,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
         "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
         "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival", "num_pending_samples",
-        "prompt_logprobs", "prompt_logprobs_sent",
+        "prompt_logprobs", "prompt_logprobs_sent", "executor_id",
     )
 
     def __init__(
@@ -66,6 +66,7 @@ class Request:
         self.num_preemptions = 0
         self.cache_salt = cache_salt
         self.num_tokens_sent_to_kv = 0  # the block manager knows this many of its tokens
+        self.executor_id = ""  # running: the executor (address) it was admitted on
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,10 @@ reason. When the executor raises for a step of several requests, nobody can tell
 of them then runs in a step alone until one has succeeded, so that a request that fails again fails alone
 and the others go on.
 
+With several executors, the block manager admits each waiting request on one of them (the one holding the
+longest cached prefix of it, see kvcache_svc/executor_pools.py) and the request stays there while it runs:
+the step is planned once, then split into one part per executor, sent at once; its result is theirs merged.
+
 A request the executor defers (its grammar is still compiling) has its last token computed again in the
 next step, which samples it. A request that asks for its prompt's logprobs is admitted under a cache salt
 of its own until it has them all: a prompt taken from the prefix cache would not be computed, so not scored.
@@ -82,8 +86,11 @@ class _Scheduled:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocate_blocks: Callable[[BlockStepRequest], BlockStepResult],
+    def __init__(self, config: SchedulerConfig,
+                 allocate_blocks: Callable[[BlockStepRequest], dict[str, BlockStepResult]],
                  executor_epoch: str = "") -> None:
+        """allocate_blocks: the block manager's answer per executor address (see pagedserve.step.one_executor
+        for one executor's pool). executor_epoch: the instance plans are for, when driving one executor."""
         self.config = config
         self.allocate_blocks = allocate_blocks
         # This scheduler instance, and the executor instance its plans are for (see BlockStepRequest).
@@ -175,7 +182,7 @@ class Scheduler:
 
         step_id = self.next_step_id
         self.next_step_id += 1
-        blocks = self.allocate_blocks(BlockStepRequest(
+        answers = self.allocate_blocks(BlockStepRequest(
             scheduler_id=self.scheduler_id, executor_epoch=self.executor_epoch, step_id=step_id,
             executed_step_ids=self.executed_step_ids, failed_request_ids=self.failed_request_ids,
             planned_step_id=self.planned_step_id,
@@ -187,25 +194,37 @@ class Scheduler:
         for s in running:  # the block manager now knows every token these requests have
             s.request.num_tokens_sent_to_kv = s.request.num_tokens
         executor_frees, self.pending_frees = self.pending_frees, []
-        admitted = [s for s in waiting if s.request.request_id in blocks.new_block_ids]
+        # A waiting request is admitted on the executor whose answer serves it.
+        admitted_on = {request_id: address for address, blocks in answers.items() for request_id in blocks.new_block_ids}
+        admitted = [s for s in waiting if s.request.request_id in admitted_on]
         for s in admitted:
             self.waiting.remove(s.request)
             s.request.status = RequestStatus.RUNNING
+            s.request.executor_id = admitted_on[s.request.request_id]
             self._enqueue(self.running, s.request)
-        preempted = set(blocks.preempted_request_ids)
-        for request_id in blocks.preempted_request_ids:
+        preempted_ids = [request_id for blocks in answers.values() for request_id in blocks.preempted_request_ids]
+        preempted = set(preempted_ids)
+        for request_id in preempted_ids:
             self._preempt(self.requests[request_id])
-        executor_frees += blocks.preempted_request_ids
+        # Each executor drops the state of requests that ended, whichever it held (an unknown id is ignored).
+        executor_frees += preempted_ids
         scheduled = [s for s in running if s.num_new_tokens > 0 and s.request.request_id not in preempted]
-        requests = ([self._execute_request(s, blocks, admitted=False) for s in scheduled]
-                    + [self._execute_request(s, blocks, admitted=True) for s in admitted])
-        self.planned_requests[step_id] = [s.request for s in scheduled] + [s.request for s in admitted]
-        return ExecuteStep(
-            requests=requests, finished_request_ids=executor_frees, executor_epoch=self.executor_epoch,
-            scheduler_id=self.scheduler_id, save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
-            step_id=step_id,
-            swap_out=blocks.swap_out, swap_free=blocks.swap_free,
-        )
+        rows = ([(s, answers[s.request.executor_id], False) for s in scheduled]
+                + [(s, answers[s.request.executor_id], True) for s in admitted])
+        requests = [self._execute_request(s, blocks, admitted=is_admitted) for s, blocks, is_admitted in rows]
+        self.planned_requests[step_id] = [s.request for s, _, _ in rows]
+        parts = [
+            ExecuteStep(
+                requests=[r for r, (s, _, _) in zip(requests, rows) if s.request.executor_id == address],
+                finished_request_ids=executor_frees, executor_epoch=blocks.executor_epoch or self.executor_epoch,
+                scheduler_id=self.scheduler_id, save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
+                step_id=step_id, swap_out=blocks.swap_out, swap_free=blocks.swap_free, executor_id=address,
+            )
+            for address, blocks in answers.items()
+        ]
+        if len(parts) == 1:
+            return parts[0]
+        return ExecuteStep(requests=requests, scheduler_id=self.scheduler_id, step_id=step_id, parts=parts)
 
     def update(self, step: ExecuteStep, result: ExecuteResult) -> list[RequestOutput]:
         """Applies a step's result. A request that ended since the step was planned gets nothing (its token
@@ -322,6 +341,7 @@ class Scheduler:
         return BlockRequest(
             request.request_id, request.num_computed_tokens + s.num_new_tokens,
             new_token_ids=request.token_ids(sent, known) if known > sent else None, new_tokens_start=sent,
+            executor_id=request.executor_id,
         )
 
     @staticmethod

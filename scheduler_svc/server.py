@@ -12,19 +12,28 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 
 from pagedserve.convert import (
     block_step_request_to_proto,
-    block_step_result_from_proto,
+    block_step_results_from_proto,
     execute_result_from_proto,
     execute_step_to_proto,
     request_output_to_proto,
     sampling_from_proto,
 )
-from pagedserve.step import BlockStepRequest, BlockStepResult, ExecuteResult, ExecuteStep, RequestOutput, join_outputs
-from pagedserve.v1 import executor_pb2, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.step import (
+    BlockStepRequest,
+    BlockStepResult,
+    ExecuteResult,
+    ExecuteStep,
+    RequestOutput,
+    join_outputs,
+    merge_results,
+)
+from pagedserve.v1 import executor_pb2, kvcache_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler_svc.engine_loop import EngineLoop
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable, Scheduler, StepFailed
@@ -43,37 +52,96 @@ _EXECUTOR_LOST = "FAILED_PRECONDITION"
 
 
 class RemoteBackends:
-    """The block manager's call and the executor's stream of steps, counted, with their failures told apart
-    for the engine loop."""
+    """The block manager's call and the executors' streams of steps, counted, with their failures told apart
+    for the engine loop. With executor_stub the scheduler drives that one executor; without, the executors
+    registered with the KV-cache service, each reached at the address it registered (open_executor opens a
+    stub to it), a step going to them in parts, at once."""
 
-    def __init__(self, kvcache_stub, executor_stub) -> None:
+    def __init__(self, kvcache_stub, executor_stub=None, open_executor: Callable[[str], object] | None = None) -> None:
         self.kvcache_stub = kvcache_stub
         self.executor_stub = executor_stub
+        self.open_executor = open_executor
+        self.executor_stubs: dict[str, object] = {}
         self.kv_rpcs = 0
-        self.executor_rpcs = 0  # steps sent
-        self.stream: _StepStream | None = None
+        self.executor_rpcs = 0  # steps (parts of steps) sent
+        self.streams: dict[str, _StepStream] = {}
 
-    def allocate_blocks(self, request: BlockStepRequest) -> BlockStepResult:
+    def allocate_blocks(self, request: BlockStepRequest) -> dict[str, BlockStepResult]:
         self.kv_rpcs += 1
         try:
             reply = self.kvcache_stub.Step(block_step_request_to_proto(request), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as error:
             raise BlockManagerUnavailable(f"{error.code().name}: {error.details()}") from None
-        return block_step_result_from_proto(reply)
+        return block_step_results_from_proto(reply)
 
-    def submit(self, step: ExecuteStep) -> "_PendingStep":
-        """Sends the step without waiting for it (on the stream, opened again if it broke)."""
-        self.executor_rpcs += 1
-        if self.stream is None or self.stream.broken:
-            self.stream = _StepStream(self.executor_stub)
-        return self.stream.send(step)
+    def submit(self, step: ExecuteStep) -> "_PendingStep | _PendingParts":
+        """Sends the step (each part to its executor) without waiting for it, on the executor's stream, opened
+        again if it broke."""
+        parts = step.parts or [step]
+        pending = [self._stream(part.executor_id).send(part) for part in parts]
+        self.executor_rpcs += len(pending)
+        if self.executor_stub is not None:  # the one executor: followed through its epoch
+            return pending[0]
+        return _PendingParts(pending, [(part.executor_id, part.executor_epoch) for part in parts], self._lost)
+
+    def _lost(self, address: str, epoch: str, reason: str) -> None:
+        """A registered executor failed a step's RPC: the KV-cache service drops its pool (alive, it registers
+        again), so that its requests, rolled back, are admitted elsewhere rather than routed to it again."""
+        try:
+            self.kvcache_stub.DropExecutor(kvcache_pb2.DropExecutorRequest(address=address, epoch=epoch,
+                                                                           reason=reason), timeout=EPOCH_TIMEOUT_S)
+        except grpc.RpcError:
+            pass  # its heartbeats stop all the same, if it is gone
+
+    def _stream(self, address: str) -> "_StepStream":
+        stream = self.streams.get(address)
+        if stream is None or stream.broken:
+            stream = self.streams[address] = _StepStream(self._executor(address))
+        return stream
+
+    def _executor(self, address: str):
+        if self.executor_stub is not None:  # the one executor, whatever the KV-cache service calls it
+            return self.executor_stub
+        if address not in self.executor_stubs:
+            self.executor_stubs[address] = self.open_executor(address)
+        return self.executor_stubs[address]
 
     def executor_epoch(self) -> str:
-        """The executor instance now serving; raises ExecutorUnavailable while there is none."""
+        """The executor instance now serving ("" for the executors registered with the KV-cache service, whose
+        epochs come with each step's answer); raises ExecutorUnavailable while there is none."""
         try:
-            return self.executor_stub.GetInfo(executor_pb2.ExecutorInfoRequest(), timeout=EPOCH_TIMEOUT_S).epoch
+            if self.executor_stub is not None:
+                return self.executor_stub.GetInfo(executor_pb2.ExecutorInfoRequest(), timeout=EPOCH_TIMEOUT_S).epoch
+            registered = self.kvcache_stub.ListExecutors(kvcache_pb2.ListExecutorsRequest(), timeout=EPOCH_TIMEOUT_S)
         except grpc.RpcError as error:
             raise ExecutorUnavailable(f"{error.code().name}: {error.details()}") from None
+        if not registered.executors:
+            raise ExecutorUnavailable("no executor is registered with the KV-cache service")
+        return ""
+
+
+class _PendingParts:
+    """A step's parts out on the registered executors: its result once all are back (each waited for, so that
+    none is still running when the step is rolled back), the first failure if any failed. An executor that did
+    not answer is reported lost (on_lost(address, epoch, reason))."""
+
+    def __init__(self, parts: list["_PendingStep"], executors: list[tuple[str, str]],
+                 on_lost: Callable[[str, str, str], None]) -> None:
+        self.parts, self.executors, self.on_lost = parts, executors, on_lost
+
+    def result(self) -> ExecuteResult:
+        results, errors = [], []
+        for part, (address, epoch) in zip(self.parts, self.executors):
+            try:
+                results.append(part.result())
+            except ExecutorUnavailable as error:
+                self.on_lost(address, epoch, str(error))
+                errors.append(error)
+            except StepFailed as error:
+                errors.append(error)
+        if errors:  # an executor lost makes the whole step's outcome unknown; else a part that raised fails it
+            raise next((e for e in errors if isinstance(e, ExecutorUnavailable)), errors[0])
+        return merge_results(results)
 
 
 class _PendingStep:

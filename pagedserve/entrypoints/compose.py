@@ -34,7 +34,6 @@ from pagedserve.entrypoints.launcher import (
     PYTHON_NAMES,
     SERVICES,
     LocalProcesses,
-    check_executor_count,
     free_port,
     replica_name,
 )
@@ -279,7 +278,12 @@ class ComposeStack(LocalProcesses):
             if name not in self.services:
                 raise ComposeError(f"--scale {name}: no such service is enabled (profiles: {', '.join(profiles)})")
             self.services[name].replicas = count
-        self._check_executors()
+        modules = [s.command[2] for s in self.services.values() if is_service_module(s.command)]
+        waits = any(s.command[2] == "scheduler_svc" and "--executor" not in s.command
+                    for s in self.services.values() if is_service_module(s.command))
+        if waits and "executor_svc" not in modules:  # it would wait for an executor to register, in vain
+            raise ComposeError("the scheduler drives the executors that register, but no enabled service runs "
+                               "executor_svc (does a profile enable one? --profile)")
         self.names = {alias: service.name for service in self.services.values()
                       for alias in (service.name, *service.aliases)}
         self.replicas = {replica_name(service.name, k): Replica(service.name, k, replica_name(service.name, k))
@@ -294,11 +298,6 @@ class ComposeStack(LocalProcesses):
                          for name, r in self.replicas.items()}
         self.checks = {name: self._local_command(name, self.services[r.service].healthcheck)
                        for name, r in self.replicas.items() if self.services[r.service].healthcheck}
-
-    def _check_executors(self) -> None:
-        for service in self.services.values():
-            if is_service_module(service.command) and service.command[2] == "executor_svc":
-                check_executor_count(service.replicas)
 
     # -------------------------------------------------------------------------- addresses
     def listen_host(self, service: str) -> str:

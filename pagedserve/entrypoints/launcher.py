@@ -31,8 +31,6 @@ SERVICES = {
     "scheduler_svc": scheduler_svc.__main__,
     "frontend": frontend.__main__,
 }
-# The scheduler and the KV-cache service of this build drive one executor.
-SUPPORTED_EXECUTORS = 1
 # Past a service's drain timeout, how long stopping waits for it before SIGKILL.
 STOP_MARGIN_S = 10.0
 # The interpreter names a command may start with; the launcher runs its own.
@@ -64,12 +62,6 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
 def replica_name(module: str, index: int) -> str:
     """A replica's process name: the service's own for the first, `name-k` for the k-th."""
     return module if index == 0 else f"{module}-{index}"
-
-
-def check_executor_count(count: int) -> None:
-    if count > SUPPORTED_EXECUTORS:
-        raise ValueError(f"{count} executors asked for, but the scheduler and the KV-cache service of this build "
-                         f"drive {SUPPORTED_EXECUTORS}; run one executor")
 
 
 # ---------------------------------------------------------------------------------------------- commands
@@ -205,7 +197,6 @@ class Stack(LocalProcesses):
 
     def __init__(self, config: PagedServeConfig) -> None:
         serving = config.serving_config
-        check_executor_count(serving.executors)
         self.config = config
         counts = {"executor_svc": serving.executors, "kvcache_svc": 1, "scheduler_svc": 1,
                   "frontend": serving.frontends}
@@ -249,9 +240,14 @@ class Stack(LocalProcesses):
         """The flags that give a process this stack's configuration: the flags its own parser declares."""
         module = self.modules[name]
         host, port = self.addresses[name].rsplit(":", 1)
+        # One executor: the KV-cache service and the scheduler follow it through --executor, and it does not
+        # register. Several: each registers with the KV-cache service, where the scheduler finds them.
+        several = self.config.serving_config.executors > 1
         serving = dataclasses.replace(
             self.config.serving_config, host=host, port=int(port), http_address=self.http_addresses.get(name, ""),
-            executor=self.executor_address, kvcache=self.kvcache_address, scheduler=self.scheduler_address,
+            executor=None if several else self.executor_address, scheduler=self.scheduler_address,
+            kvcache=None if module == "executor_svc" and not several else self.kvcache_address,
+            advertise_address=self.addresses[name] if several and module == "executor_svc" else None,
         )
         return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)
 

@@ -25,7 +25,7 @@ from kvcache_svc.build import build_block_manager
 from pagedserve.config import CacheConfig, ModelConfig, PagedServeConfig, SchedulerConfig
 from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import SampledToken
+from pagedserve.step import SampledToken, one_executor
 from scheduler_svc.build import build_scheduler
 from scheduler_svc.engine_loop import CompletedCall, EngineLoop
 from scheduler_svc.request import Request
@@ -63,7 +63,7 @@ class LLM:
         # The cores meet here as they do in the services: through what the executor reports.
         info = executor_info(self.runner)
         self.block_manager = build_block_manager(cache_config, info)
-        self.scheduler = build_scheduler(self.config.scheduler_config, info, self.block_manager.step)
+        self.scheduler = build_scheduler(self.config.scheduler_config, info, one_executor(self.block_manager.step))
         async_scheduling = self.config.scheduler_config.async_scheduling
         if async_scheduling:
             # One thread runs every step (torch's OpenMP pool belongs to the thread that uses it).

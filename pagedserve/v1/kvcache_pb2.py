@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
+from pagedserve.v1 import executor_pb2 as pagedserve_dot_v1_dot_executor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedserve/v1/kvcache.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"v\n\x0c\x42lockRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"\x84\x01\n\x0fRunningRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\x05\x12\x16\n\x0enum_new_tokens\x18\x03 \x03(\x05\x12\x19\n\x11new_tokens_starts\x18\x04 \x03(\x05\x12\x15\n\rnew_token_ids\x18\x05 \x03(\x05\"\xac\x02\n\x10\x42lockStepRequest\x12\x14\n\x0cscheduler_id\x18\x05 \x01(\t\x12\x16\n\x0e\x65xecutor_epoch\x18\x06 \x01(\t\x12\x0f\n\x07step_id\x18\x07 \x01(\x03\x12\x19\n\x11\x65xecuted_step_ids\x18\x0b \x03(\x03\x12\x1a\n\x12\x66\x61iled_request_ids\x18\t \x03(\t\x12\x17\n\x0fplanned_step_id\x18\n \x01(\x03\x12\x18\n\x10\x66ree_request_ids\x18\x01 \x03(\t\x12/\n\x07running\x18\x0c \x01(\x0b\x32\x1e.pagedserve.v1.RunningRequests\x12,\n\x07waiting\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.BlockRequestJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x08\x10\t\"l\n\nBlockDelta\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x30\n\ntier_loads\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\"\xec\x02\n\x0f\x42lockStepResult\x12:\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32*.pagedserve.v1.BlockStepResult.DeltasEntry\x12\x1d\n\x15preempted_request_ids\x18\x06 \x03(\t\x12\x32\n\x0csaves_before\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x31\n\x0bsaves_after\x18\x05 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12.\n\x08swap_out\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x11\n\tswap_free\x18\x08 \x03(\x0c\x1aH\n\x0b\x44\x65ltasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.pagedserve.v1.BlockDelta:\x02\x38\x01J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"\x15\n\x13KVCacheStatsRequest\"\xdc\x03\n\x0cKVCacheStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x12\n\nnum_in_use\x18\x04 \x01(\x05\x12\x1c\n\x14num_cached_evictable\x18\x05 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x06 \x01(\x05\x12\r\n\x05usage\x18\x07 \x01(\x02\x12\x16\n\x0enum_step_calls\x18\x08 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x03\x12\x11\n\tevictions\x18\x0b \x01(\x03\x12\x11\n\ttier_hits\x18\x0c \x01(\x03\x12\x14\n\x0c\x62locks_saved\x18\r \x01(\x03\x12\x13\n\x0btier_errors\x18\x0e \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x0f \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x11\n\tnum_swaps\x18\x11 \x01(\x03\x12\x1a\n\x12\x62locks_swapped_out\x18\x12 \x01(\x03\x12\x19\n\x11\x62locks_swapped_in\x18\x13 \x01(\x03\x12\x1a\n\x12swap_blocks_in_use\x18\x14 \x01(\x03\x32\x9f\x01\n\x07KVCache\x12G\n\x04Step\x12\x1f.pagedserve.v1.BlockStepRequest\x1a\x1e.pagedserve.v1.BlockStepResult\x12K\n\x08GetStats\x12\".pagedserve.v1.KVCacheStatsRequest\x1a\x1b.pagedserve.v1.KVCacheStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedserve/v1/kvcache.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\x1a\x1cpagedserve/v1/executor.proto\"R\n\x14\x45xecutorRegistration\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12)\n\x04info\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ExecutorInfo\">\n\x11RegistrationReply\x12\x10\n\x08new_pool\x18\x01 \x01(\x08\x12\x17\n\x0fheartbeat_ttl_s\x18\x02 \x01(\x01\"\x16\n\x14ListExecutorsRequest\"E\n\x13\x44ropExecutorRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"$\n\x11\x44ropExecutorReply\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\x08\"4\n\x12RegisteredExecutor\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\"D\n\x0c\x45xecutorList\x12\x34\n\texecutors\x18\x01 \x03(\x0b\x32!.pagedserve.v1.RegisteredExecutor\"v\n\x0c\x42lockRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\tJ\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"\xb1\x01\n\x0fRunningRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\x05\x12\x16\n\x0enum_new_tokens\x18\x03 \x03(\x05\x12\x19\n\x11new_tokens_starts\x18\x04 \x03(\x05\x12\x15\n\rnew_token_ids\x18\x05 \x03(\x05\x12\x11\n\texecutors\x18\x06 \x03(\t\x12\x18\n\x10\x65xecutor_indexes\x18\x07 \x03(\x05\"\xac\x02\n\x10\x42lockStepRequest\x12\x14\n\x0cscheduler_id\x18\x05 \x01(\t\x12\x16\n\x0e\x65xecutor_epoch\x18\x06 \x01(\t\x12\x0f\n\x07step_id\x18\x07 \x01(\x03\x12\x19\n\x11\x65xecuted_step_ids\x18\x0b \x03(\x03\x12\x1a\n\x12\x66\x61iled_request_ids\x18\t \x03(\t\x12\x17\n\x0fplanned_step_id\x18\n \x01(\x03\x12\x18\n\x10\x66ree_request_ids\x18\x01 \x03(\t\x12/\n\x07running\x18\x0c \x01(\x0b\x32\x1e.pagedserve.v1.RunningRequests\x12,\n\x07waiting\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.BlockRequestJ\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04J\x04\x08\x08\x10\t\"l\n\nBlockDelta\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x30\n\ntier_loads\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\"\x84\x03\n\x0f\x42lockStepResult\x12:\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32*.pagedserve.v1.BlockStepResult.DeltasEntry\x12\x1d\n\x15preempted_request_ids\x18\x06 \x03(\t\x12\x32\n\x0csaves_before\x18\x04 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x31\n\x0bsaves_after\x18\x05 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12.\n\x08swap_out\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.BlockTransfer\x12\x11\n\tswap_free\x18\x08 \x03(\x0c\x12\x16\n\x0e\x65xecutor_epoch\x18\t \x01(\t\x1aH\n\x0b\x44\x65ltasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.pagedserve.v1.BlockDelta:\x02\x38\x01J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04\"\xa7\x01\n\x10\x42lockStepResults\x12\x41\n\texecutors\x18\x01 \x03(\x0b\x32..pagedserve.v1.BlockStepResults.ExecutorsEntry\x1aP\n\x0e\x45xecutorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.pagedserve.v1.BlockStepResult:\x02\x38\x01\"\x15\n\x13KVCacheStatsRequest\"\xea\x04\n\x0cKVCacheStats\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x12\n\nnum_in_use\x18\x04 \x01(\x05\x12\x1c\n\x14num_cached_evictable\x18\x05 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x06 \x01(\x05\x12\r\n\x05usage\x18\x07 \x01(\x02\x12\x16\n\x0enum_step_calls\x18\x08 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x03\x12\x11\n\tevictions\x18\x0b \x01(\x03\x12\x11\n\ttier_hits\x18\x0c \x01(\x03\x12\x14\n\x0c\x62locks_saved\x18\r \x01(\x03\x12\x13\n\x0btier_errors\x18\x0e \x01(\x03\x12\x13\n\x0b\x62ytes_moved\x18\x0f \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x11\n\tnum_swaps\x18\x11 \x01(\x03\x12\x1a\n\x12\x62locks_swapped_out\x18\x12 \x01(\x03\x12\x19\n\x11\x62locks_swapped_in\x18\x13 \x01(\x03\x12\x1a\n\x12swap_blocks_in_use\x18\x14 \x01(\x03\x12=\n\texecutors\x18\x15 \x03(\x0b\x32*.pagedserve.v1.KVCacheStats.ExecutorsEntry\x1aM\n\x0e\x45xecutorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12*\n\x05value\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.KVCacheStats:\x02\x38\x01\x32\xa4\x03\n\x07KVCache\x12H\n\x04Step\x12\x1f.pagedserve.v1.BlockStepRequest\x1a\x1f.pagedserve.v1.BlockStepResults\x12K\n\x08GetStats\x12\".pagedserve.v1.KVCacheStatsRequest\x1a\x1b.pagedserve.v1.KVCacheStats\x12Y\n\x10RegisterExecutor\x12#.pagedserve.v1.ExecutorRegistration\x1a .pagedserve.v1.RegistrationReply\x12Q\n\rListExecutors\x12#.pagedserve.v1.ListExecutorsRequest\x1a\x1b.pagedserve.v1.ExecutorList\x12T\n\x0c\x44ropExecutor\x12\".pagedserve.v1.DropExecutorRequest\x1a .pagedserve.v1.DropExecutorReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_BLOCKSTEPRESULT_DELTASENTRY']._loaded_options = None
   _globals['_BLOCKSTEPRESULT_DELTASENTRY']._serialized_options = b'8\001'
-  _globals['_BLOCKREQUEST']._serialized_start=74
-  _globals['_BLOCKREQUEST']._serialized_end=192
-  _globals['_RUNNINGREQUESTS']._serialized_start=195
-  _globals['_RUNNINGREQUESTS']._serialized_end=327
-  _globals['_BLOCKSTEPREQUEST']._serialized_start=330
-  _globals['_BLOCKSTEPREQUEST']._serialized_end=630
-  _globals['_BLOCKDELTA']._serialized_start=632
-  _globals['_BLOCKDELTA']._serialized_end=740
-  _globals['_BLOCKSTEPRESULT']._serialized_start=743
-  _globals['_BLOCKSTEPRESULT']._serialized_end=1107
-  _globals['_BLOCKSTEPRESULT_DELTASENTRY']._serialized_start=1023
-  _globals['_BLOCKSTEPRESULT_DELTASENTRY']._serialized_end=1095
-  _globals['_KVCACHESTATSREQUEST']._serialized_start=1109
-  _globals['_KVCACHESTATSREQUEST']._serialized_end=1130
-  _globals['_KVCACHESTATS']._serialized_start=1133
-  _globals['_KVCACHESTATS']._serialized_end=1609
-  _globals['_KVCACHE']._serialized_start=1612
-  _globals['_KVCACHE']._serialized_end=1771
+  _globals['_BLOCKSTEPRESULTS_EXECUTORSENTRY']._loaded_options = None
+  _globals['_BLOCKSTEPRESULTS_EXECUTORSENTRY']._serialized_options = b'8\001'
+  _globals['_KVCACHESTATS_EXECUTORSENTRY']._loaded_options = None
+  _globals['_KVCACHESTATS_EXECUTORSENTRY']._serialized_options = b'8\001'
+  _globals['_EXECUTORREGISTRATION']._serialized_start=104
+  _globals['_EXECUTORREGISTRATION']._serialized_end=186
+  _globals['_REGISTRATIONREPLY']._serialized_start=188
+  _globals['_REGISTRATIONREPLY']._serialized_end=250
+  _globals['_LISTEXECUTORSREQUEST']._serialized_start=252
+  _globals['_LISTEXECUTORSREQUEST']._serialized_end=274
+  _globals['_DROPEXECUTORREQUEST']._serialized_start=276
+  _globals['_DROPEXECUTORREQUEST']._serialized_end=345
+  _globals['_DROPEXECUTORREPLY']._serialized_start=347
+  _globals['_DROPEXECUTORREPLY']._serialized_end=383
+  _globals['_REGISTEREDEXECUTOR']._serialized_start=385
+  _globals['_REGISTEREDEXECUTOR']._serialized_end=437
+  _globals['_EXECUTORLIST']._serialized_start=439
+  _globals['_EXECUTORLIST']._serialized_end=507
+  _globals['_BLOCKREQUEST']._serialized_start=509
+  _globals['_BLOCKREQUEST']._serialized_end=627
+  _globals['_RUNNINGREQUESTS']._serialized_start=630
+  _globals['_RUNNINGREQUESTS']._serialized_end=807
+  _globals['_BLOCKSTEPREQUEST']._serialized_start=810
+  _globals['_BLOCKSTEPREQUEST']._serialized_end=1110
+  _globals['_BLOCKDELTA']._serialized_start=1112
+  _globals['_BLOCKDELTA']._serialized_end=1220
+  _globals['_BLOCKSTEPRESULT']._serialized_start=1223
+  _globals['_BLOCKSTEPRESULT']._serialized_end=1611
+  _globals['_BLOCKSTEPRESULT_DELTASENTRY']._serialized_start=1527
+  _globals['_BLOCKSTEPRESULT_DELTASENTRY']._serialized_end=1599
+  _globals['_BLOCKSTEPRESULTS']._serialized_start=1614
+  _globals['_BLOCKSTEPRESULTS']._serialized_end=1781
+  _globals['_BLOCKSTEPRESULTS_EXECUTORSENTRY']._serialized_start=1701
+  _globals['_BLOCKSTEPRESULTS_EXECUTORSENTRY']._serialized_end=1781
+  _globals['_KVCACHESTATSREQUEST']._serialized_start=1783
+  _globals['_KVCACHESTATSREQUEST']._serialized_end=1804
+  _globals['_KVCACHESTATS']._serialized_start=1807
+  _globals['_KVCACHESTATS']._serialized_end=2425
+  _globals['_KVCACHESTATS_EXECUTORSENTRY']._serialized_start=2348
+  _globals['_KVCACHESTATS_EXECUTORSENTRY']._serialized_end=2425
+  _globals['_KVCACHE']._serialized_start=2428
+  _globals['_KVCACHE']._serialized_end=2848
 # @@protoc_insertion_point(module_scope)

@@ -37,12 +37,27 @@ class KVCacheStub(object):
         self.Step = channel.unary_unary(
                 '/pagedserve.v1.KVCache/Step',
                 request_serializer=pagedserve_dot_v1_dot_kvcache__pb2.BlockStepRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.BlockStepResult.FromString,
+                response_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.BlockStepResults.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pagedserve.v1.KVCache/GetStats',
                 request_serializer=pagedserve_dot_v1_dot_kvcache__pb2.KVCacheStatsRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.KVCacheStats.FromString,
+                _registered_method=True)
+        self.RegisterExecutor = channel.unary_unary(
+                '/pagedserve.v1.KVCache/RegisterExecutor',
+                request_serializer=pagedserve_dot_v1_dot_kvcache__pb2.ExecutorRegistration.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.RegistrationReply.FromString,
+                _registered_method=True)
+        self.ListExecutors = channel.unary_unary(
+                '/pagedserve.v1.KVCache/ListExecutors',
+                request_serializer=pagedserve_dot_v1_dot_kvcache__pb2.ListExecutorsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.ExecutorList.FromString,
+                _registered_method=True)
+        self.DropExecutor = channel.unary_unary(
+                '/pagedserve.v1.KVCache/DropExecutor',
+                request_serializer=pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorReply.FromString,
                 _registered_method=True)
 
 
@@ -61,18 +76,55 @@ class KVCacheServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterExecutor(self, request, context):
+        """An executor registers at start and again every heartbeat; FAILED_PRECONDITION when it does not fit the
+        others (another model or block size), or when the service follows the one executor it was started with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListExecutors(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropExecutor(self, request, context):
+        """The scheduler lost an executor instance (a step's RPC failed): its pool is dropped, its requests reported
+        preempted; alive, it registers again with an empty pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.BlockStepRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_kvcache__pb2.BlockStepResult.SerializeToString,
+                    response_serializer=pagedserve_dot_v1_dot_kvcache__pb2.BlockStepResults.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
                     request_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.KVCacheStatsRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_kvcache__pb2.KVCacheStats.SerializeToString,
+            ),
+            'RegisterExecutor': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterExecutor,
+                    request_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.ExecutorRegistration.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_kvcache__pb2.RegistrationReply.SerializeToString,
+            ),
+            'ListExecutors': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListExecutors,
+                    request_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.ListExecutorsRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_kvcache__pb2.ExecutorList.SerializeToString,
+            ),
+            'DropExecutor': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropExecutor,
+                    request_deserializer=pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -101,7 +153,7 @@ class KVCache(object):
             target,
             '/pagedserve.v1.KVCache/Step',
             pagedserve_dot_v1_dot_kvcache__pb2.BlockStepRequest.SerializeToString,
-            pagedserve_dot_v1_dot_kvcache__pb2.BlockStepResult.FromString,
+            pagedserve_dot_v1_dot_kvcache__pb2.BlockStepResults.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,6 +181,87 @@ class KVCache(object):
             '/pagedserve.v1.KVCache/GetStats',
             pagedserve_dot_v1_dot_kvcache__pb2.KVCacheStatsRequest.SerializeToString,
             pagedserve_dot_v1_dot_kvcache__pb2.KVCacheStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterExecutor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.KVCache/RegisterExecutor',
+            pagedserve_dot_v1_dot_kvcache__pb2.ExecutorRegistration.SerializeToString,
+            pagedserve_dot_v1_dot_kvcache__pb2.RegistrationReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListExecutors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.KVCache/ListExecutors',
+            pagedserve_dot_v1_dot_kvcache__pb2.ListExecutorsRequest.SerializeToString,
+            pagedserve_dot_v1_dot_kvcache__pb2.ExecutorList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropExecutor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.KVCache/DropExecutor',
+            pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorRequest.SerializeToString,
+            pagedserve_dot_v1_dot_kvcache__pb2.DropExecutorReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,12 +1,13 @@
 """docker-compose.yml is tested, not trusted: every command, variable, port, health check and peer in it is
 one its service accepts, and `pagedserve up --compose` runs its topology (Redis with its password, the
-services in depends_on order, two frontends) as local processes, which serve greedy requests whose outputs
-equal the offline LLM's."""
+services in depends_on order, two executors registering with the KV-cache service, two frontends) as local
+processes, which serve greedy requests whose outputs equal the offline LLM's."""
 from __future__ import annotations
 
 import os
 import re
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,10 @@ from pagedserve.config import INTERNAL_TOKEN_ENV
 from pagedserve.entrypoints import cli
 from pagedserve.entrypoints.compose import ComposeStack, active, load, parse_duration, services
 from pagedserve.entrypoints.launcher import free_ports
+from pagedserve.service import Security, channel
+from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc
 from tests.support.deployment import check_peers, check_service
+from tests.support.probes import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -79,8 +83,8 @@ def test_every_flag_variable_port_and_peer_in_the_compose_file_is_accepted(profi
      "frontend: python -m frontend: error: unrecognized arguments: --max-num-seq 4"),
     (("--port 50053", "--port 50059"), "kvcache: health checks ask ports [50053] it does not listen on"),
     (("      kvcache: {condition: service_healthy}\n", ""), "scheduler calls kvcache without depends_on"),
-    (("--executor executor:50054\n      --redis-url", "--executor executor:50055\n      --redis-url"),
-     "kvcache: calls executor:50055, but executor listens on [50054]"),
+    (("--dtype ${PAGEDSERVE_DTYPE:-auto} --kvcache kvcache:50053", "--dtype ${PAGEDSERVE_DTYPE:-auto} --kvcache kvcache:50055"),
+     "executor: calls kvcache:50055, but kvcache listens on [50053]"),
     (("PAGEDSERVE_API_KEY:", "PAGEDSERVE_APIKEY:"), "frontend does not read the environment variable PAGEDSERVE_APIKEY"),
     (('"127.0.0.1:${PAGEDSERVE_HTTP_PORTS:-8000-8007}:8000"', '"127.0.0.1:${PAGEDSERVE_HTTP_PORTS:-8000-8007}:8080"'),
      "frontend: declares ports [8080] it does not listen on"),
@@ -119,8 +123,8 @@ def test_every_variable_of_the_compose_file_is_documented():
 def test_the_compose_file_needs_the_redis_password():
     with pytest.raises(ValueError, match="PAGEDSERVE_REDIS_PASSWORD must be set"):
         load(COMPOSE, {})
-    with pytest.raises(ValueError, match="refers to executor:50054, but no enabled service is named executor "
-                                         r"\(does a profile enable it\? --profile\)"):
+    with pytest.raises(ValueError, match=r"but no enabled service runs executor_svc \(does a profile enable one\? "
+                                         r"--profile\)"):
         ComposeStack(COMPOSE, environ=REQUIRED)
 
 
@@ -130,7 +134,6 @@ def test_pagedserve_up_refuses_what_the_compose_run_would_ignore(capsys, monkeyp
         (["--scale", "frontend=2"], "--scale and --profile need --compose"),
         (["--compose", str(COMPOSE), "--profile", "cpu", "--max-num-seqs", "4"], "these flags would be ignored: "
                                                                                   "--max-num-seqs"),
-        (["--compose", str(COMPOSE), "--profile", "cpu", "--scale", "executor=2"], "2 executors asked for"),
         (["--compose", str(COMPOSE), "--profile", "cpu", "--scale", "frontend=0"], "N at least 1"),
         (["--compose", str(COMPOSE), "--profile", "cpu", "--scale", "nobody=2"], "--scale nobody: no such service"),
     ]:
@@ -153,9 +156,16 @@ def compose_stack(tiny_model_with_tokenizer, redis_binary):
         "PAGEDSERVE_REDIS_PASSWORD": secrets.token_hex(16),
         "PAGEDSERVE_PORTS": f"{ports}-{ports + 1}", "PAGEDSERVE_HTTP_PORTS": f"{http_ports}-{http_ports + 1}",
     }
-    with ComposeStack(COMPOSE, {"frontend": 2}, ("cpu",), environ=environ, startup_timeout=300) as stack:
+    with ComposeStack(COMPOSE, {"frontend": 2, "executor": 2}, ("cpu",), environ=environ,
+                      startup_timeout=300) as stack:
         stack.ports = (ports, http_ports)
+        assert wait_for(lambda: len(kv_stats(stack).executors) == 2, timeout=60), "the executors did not register"
         yield stack
+
+
+def kv_stats(stack) -> kvcache_pb2.KVCacheStats:
+    with channel(stack.address("kvcache", 50053), Security(internal_token=stack.environ[INTERNAL_TOKEN_ENV])) as ch:
+        return kvcache_pb2_grpc.KVCacheStub(ch).GetStats(kvcache_pb2.KVCacheStatsRequest(), timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +178,8 @@ def redis_binary():
 
 def test_the_compose_topology_serves_greedy_requests_on_every_frontend(compose_stack, tiny_model_with_tokenizer):
     ports, http_ports = compose_stack.ports
-    assert set(compose_stack.processes) == {"redis", "executor", "kvcache", "scheduler", "frontend", "frontend-1"}
+    assert set(compose_stack.processes) == {"redis", "executor", "executor-1", "kvcache", "scheduler", "frontend",
+                                            "frontend-1"}
     assert [compose_stack.address(name, 50051) for name in ("frontend", "frontend-1")] == [
         f"127.0.0.1:{ports}", f"127.0.0.1:{ports + 1}"]
     assert compose_stack.address("frontend-1", 8000) == f"127.0.0.1:{http_ports + 1}"
@@ -176,11 +187,23 @@ def test_the_compose_topology_serves_greedy_requests_on_every_frontend(compose_s
     reference = LLM(str(tiny_model_with_tokenizer), device="cpu", dtype="float32", kv_cache_memory=16 << 20)
     expected = [r.token_ids for r in reference.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
                                                                                 ignore_eos=True))]
-    for name in ("frontend", "frontend-1"):
-        with GenerateClient(compose_stack.address(name, 50051)) as client:
-            got = [client.generate(build_request(prompt_token_ids=p, temperature=0.0, max_tokens=24, ignore_eos=True),
-                                   timeout=120).token_ids for p in prompts]
-        assert got == expected, name
+    before = kv_stats(compose_stack)
+
+    def generate(frontend: str, prompt: list[int]) -> list[int]:
+        with GenerateClient(compose_stack.address(frontend, 50051)) as client:
+            return client.generate(build_request(prompt_token_ids=prompt, temperature=0.0, max_tokens=24,
+                                                 ignore_eos=True), timeout=120).token_ids
+
+    # At once, so that the requests are spread over both executors (each admitted on the less loaded).
+    frontends = ("frontend", "frontend-1")
+    with ThreadPoolExecutor(len(frontends) * len(prompts)) as pool:
+        got = {name: list(pool.map(lambda p, name=name: generate(name, p), prompts)) for name in frontends}
+    for name in frontends:
+        assert got[name] == expected, name
+    after = kv_stats(compose_stack)
+    served = {a: after.executors[a].prefix_cache_queries - before.executors[a].prefix_cache_queries
+              for a in after.executors}
+    assert len(served) == 2 and all(served.values()), served
 
 
 def test_the_compose_redis_requires_its_password(compose_stack):

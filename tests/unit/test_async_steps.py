@@ -19,7 +19,7 @@ import pytest
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.config import SchedulerConfig
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteStep
+from pagedserve.step import ExecuteStep, one_executor
 from scheduler_svc.engine_loop import CompletedCall, EngineLoop
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import ExecutorUnavailable, Scheduler, StepFailed
@@ -37,7 +37,7 @@ class Engine:
         self.executor = CheckingExecutor(self.manager, BLOCK_SIZE)
         config.setdefault("max_model_len", 256)
         self.scheduler = Scheduler(SchedulerConfig(block_size=BLOCK_SIZE, async_scheduling=async_scheduling, **config),
-                                   self.manager.step)
+                                   one_executor(self.manager.step))
         submit = submit or (lambda step: CompletedCall(self.executor, step))
         self.loop = EngineLoop(self.scheduler, submit, lambda outputs: None, lambda: "", async_scheduling)
         self.outputs: dict[str, list[int]] = {}
@@ -263,7 +263,7 @@ def test_a_request_preempted_while_its_step_is_out_keeps_that_steps_token():
         engine = Engine(async_scheduling, max_num_batched_tokens=64)
         engine.manager = KVCacheManager(small, BLOCK_SIZE)
         engine.executor.block_manager = engine.manager
-        engine.scheduler.allocate_blocks = engine.manager.step
+        engine.scheduler.allocate_blocks = one_executor(engine.manager.step)
         load(engine)
         engine.run()
         assert engine.manager.num_requests == 0 and engine.manager.num_free_blocks == small

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcache_svc.kv_cache_manager import KVCacheManager
-from pagedserve.step import BlockStepRequest, BlockStepResult
+from pagedserve.step import BlockStepRequest, BlockStepResult, one_executor
 from pagedserve.sampling_params import SamplingParams
 from scheduler_svc.engine_loop import CompletedCall, EngineLoop
 from scheduler_svc.request import Request
@@ -92,7 +92,7 @@ class SharedPrefixQuarterPool(RuleBasedStateMachine):
         self.scheduler = Scheduler(
             SchedulerConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=24, max_model_len=NUM_BLOCKS * BLOCK_SIZE,
                             scheduling_policy=self.policy),
-            self.observed.step,
+            one_executor(self.observed.step),
         )
         self.executor = CheckingExecutor(self.manager, BLOCK_SIZE)
         self.loop = EngineLoop(self.scheduler, lambda step: CompletedCall(self.executor, step), lambda outputs: None,

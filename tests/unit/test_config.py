@@ -28,7 +28,7 @@ CHANGED = PagedServeConfig(
                 benchmark_sleep_ms=2.5),
     CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
                 offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True,
-                redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77),
+                redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77, routing="round_robin"),
     SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False, max_waiting=3,
                     scheduling_policy="priority", long_prefill_token_threshold=64, max_num_partial_prefills=2,
                     async_scheduling=False, stream_interval=4),
@@ -37,7 +37,8 @@ CHANGED = PagedServeConfig(
                   http_address="0.0.0.0:8080", served_model_name=("my-model", "alias"),
                   max_message_bytes=1 << 20, max_prompt_chars=999,
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
-                  internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2),
+                  internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2,
+                  advertise_address="x:4", heartbeat_ttl=1.5),
 )
 
 
@@ -126,7 +127,8 @@ def test_the_launchers_argv_parses_with_each_services_parser():
         assert host == ("0.0.0.0" if name == "frontend" else "127.0.0.1"), name
         serving = dataclasses.replace(
             changed.serving_config, host=host, port=int(port),
-            executor=stack.executor_address, kvcache=stack.kvcache_address, scheduler=stack.scheduler_address,
+            executor=stack.executor_address, scheduler=stack.scheduler_address,
+            kvcache=None if name == "executor_svc" else stack.kvcache_address, advertise_address=None,
         )
         expected = _expected(dataclasses.replace(changed, serving_config=serving), service.SECTIONS)
         assert service.parse_args(stack.service_argv(name)) == expected, name
@@ -147,15 +149,21 @@ def test_frontend_k_listens_on_the_public_and_http_ports_plus_k():
         "executor_svc", "kvcache_svc", "scheduler_svc", "frontend", "frontend-1", "frontend-2"]
 
 
-def test_several_executors_are_refused_until_the_services_drive_them(capsys):
+def test_several_executors_register_with_the_kvcache_service_where_the_scheduler_finds_them():
     from pagedserve.entrypoints.launcher import Stack
 
-    with pytest.raises(ValueError, match="2 executors asked for, but the scheduler and the KV-cache service of "
-                                         "this build drive 1"):
-        Stack(PagedServeConfig.from_kwargs(executors=2))
-    with pytest.raises(SystemExit):
-        cli.main(["up", "--device", "cpu", "--executors", "2"])
-    assert "2 executors asked for" in capsys.readouterr().err
+    stack = Stack(PagedServeConfig.from_kwargs(executors=2, port=7100))
+    assert stack.stages[0] == ["executor_svc", "executor_svc-1"]
+    for name in stack.stages[0]:
+        serving = executor_svc.__main__.parse_args(stack.service_argv(name))[ServingConfig]
+        assert (serving.kvcache, serving.advertise_address) == (stack.kvcache_address, stack.addresses[name])
+    for name, module in (("kvcache_svc", kvcache_svc.__main__), ("scheduler_svc", scheduler_svc.__main__)):
+        assert module.parse_args(stack.service_argv(name))[ServingConfig].executor is None, name
+    # One executor: followed through --executor, and it does not register.
+    stack = Stack(PagedServeConfig.from_kwargs(port=7100))
+    assert kvcache_svc.__main__.parse_args(stack.service_argv("kvcache_svc"))[ServingConfig].executor == \
+        stack.executor_address
+    assert executor_svc.__main__.parse_args(stack.service_argv("executor_svc"))[ServingConfig].kvcache is None
 
 
 def test_pagedserve_up_builds_the_config_from_its_flags(up_config, capsys):

@@ -35,8 +35,12 @@ def config_data() -> dict[str, str]:
     return config_map["data"]
 
 
+# What the downward API gives a pod, as the command check sees it.
+FIELD_PLACEHOLDERS = {"status.podIP": "10.0.0.7"}
+
+
 def container_env(container: dict) -> dict[str, str]:
-    """The container's variables, with the ConfigMap's values, and a placeholder for a Secret's."""
+    """The container's variables, with the ConfigMap's values, and a placeholder for a Secret's or a pod field's."""
     env = {}
     for entry in container.get("env", []):
         source = entry.get("valueFrom", {})
@@ -44,6 +48,8 @@ def container_env(container: dict) -> dict[str, str]:
             env[entry["name"]] = config_data()[source["configMapKeyRef"]["key"]]
         elif "secretKeyRef" in source:
             env[entry["name"]] = SECRET_PLACEHOLDER
+        elif "fieldRef" in source:
+            env[entry["name"]] = FIELD_PLACEHOLDERS[source["fieldRef"]["fieldPath"]]
         else:
             env[entry["name"]] = entry["value"]
     return env

@@ -12,7 +12,7 @@ import pytest
 
 from kvcache_svc.block_hash import block_hash
 from kvcache_svc.kv_cache_manager import KVCacheManager
-from pagedserve.step import BlockRequest, BlockStepRequest, BlockTransfer, ExecuteStep, num_loaded_tokens
+from pagedserve.step import BlockRequest, BlockStepRequest, BlockTransfer, ExecuteStep, num_loaded_tokens, one_executor
 from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable, Scheduler, SchedulerConfig
 from tests.unit.test_scheduler import CheckingExecutor, add, random_prompts, run_to_completion
 from tests.unit.test_step_failures import BLOCK_SIZE, Engine, FaultyExecutor, prompt
@@ -234,7 +234,7 @@ def quarter_pool_run(num_blocks: int, **manager_kwargs):
     block_size = 4
     manager = KVCacheManager(num_blocks, block_size, **manager_kwargs)
     scheduler = Scheduler(SchedulerConfig(block_size=block_size, max_num_batched_tokens=64, max_model_len=512),
-                          manager.step)
+                          one_executor(manager.step))
     executor = SwappingExecutor(manager, block_size)
     for i, p in enumerate(PROMPTS):
         add(scheduler, f"r{i}", p, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

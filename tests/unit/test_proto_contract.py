@@ -113,6 +113,21 @@ def test_running_requests_whose_arrays_do_not_line_up_are_refused_naming_the_fie
             convert.block_step_request_from_proto(message)
 
 
+def test_running_requests_name_their_executors_by_index():
+    import pytest
+
+    request = BlockStepRequest(running=[BlockRequest("a", 5, executor_id="e:1"), BlockRequest("b", 6, executor_id="e:2"),
+                                        BlockRequest("c", 7, executor_id="e:1")])
+    message = convert.block_step_request_to_proto(request)
+    assert (list(message.running.executors), list(message.running.executor_indexes)) == (["e:1", "e:2"], [0, 1, 0])
+    assert convert.block_step_request_from_proto(message) == request
+    for field, value in (("executor_indexes", [0, 1]), ("executor_indexes", [0, 2, 0])):
+        message = convert.block_step_request_to_proto(request)
+        getattr(message.running, field)[:] = value
+        with pytest.raises(ValueError, match="executor_indexes"):
+            convert.block_step_request_from_proto(message)
+
+
 def test_outputs_of_several_steps_are_joined_per_request():
     from pagedserve.step import RequestOutput, join_outputs
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken
+from pagedserve.step import ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken, one_executor
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
@@ -92,7 +92,7 @@ class CheckingExecutor:
 def make_engine(num_blocks: int, block_size: int = 4, **config):
     block_manager = KVCacheManager(num_blocks, block_size)
     config.setdefault("max_model_len", 512)
-    scheduler = Scheduler(SchedulerConfig(block_size=block_size, **config), block_manager.step)
+    scheduler = Scheduler(SchedulerConfig(block_size=block_size, **config), one_executor(block_manager.step))
     return scheduler, block_manager, CheckingExecutor(block_manager, block_size)
 
 
@@ -359,7 +359,7 @@ def test_prompt_logprobs_come_once_whole_in_order_and_never_from_the_prefix_cach
     prompt = list(range(1, 31))
     block_manager = KVCacheManager(200, 4)
     scheduler = Scheduler(SchedulerConfig(block_size=4, max_model_len=512, max_num_batched_tokens=8),
-                          block_manager.step)
+                          one_executor(block_manager.step))
     executor = PromptLogprobsExecutor(block_manager, 4, prompts={"warm": prompt, "asks": prompt})
     add(scheduler, "warm", prompt, temperature=0, max_tokens=2, ignore_eos=True)
     run_to_completion(scheduler, executor, block_manager)  # the prompt's full blocks are now cached

@@ -12,7 +12,7 @@ import pytest
 
 from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.config import SchedulerConfig
-from pagedserve.step import ExecuteResult, ExecuteStep
+from pagedserve.step import ExecuteResult, ExecuteStep, one_executor
 from scheduler_svc.engine_loop import CompletedCall, EngineLoop
 from scheduler_svc.scheduler import BlockManagerUnavailable, ExecutorUnavailable, Scheduler, StepFailed
 from tests.unit.test_scheduler import EOS, CheckingExecutor, add
@@ -66,7 +66,7 @@ class Engine:
         self.executor = FaultyExecutor(self.manager)
         config = SchedulerConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=budget, max_model_len=256,
                                  async_scheduling=async_scheduling)
-        self.scheduler = Scheduler(config, self.allocate, executor_epoch=self.executor.executor_epoch())
+        self.scheduler = Scheduler(config, one_executor(self.allocate), executor_epoch=self.executor.executor_epoch())
         self.loop = EngineLoop(self.scheduler, lambda step: CompletedCall(self.executor, step), lambda outputs: None,
                                self.executor.executor_epoch, async_scheduling=async_scheduling)
         self.outputs: dict[str, list[int]] = {}
@@ -230,9 +230,9 @@ def test_a_block_manager_answer_lost_on_the_way_indexes_nothing_it_planned(async
         real(request)
         raise BlockManagerUnavailable("DEADLINE_EXCEEDED")
 
-    engine.scheduler.allocate_blocks = served_but_lost
+    engine.scheduler.allocate_blocks = one_executor(served_but_lost)
     engine.step()
-    engine.scheduler.allocate_blocks = engine.allocate
+    engine.scheduler.allocate_blocks = one_executor(engine.allocate)
     engine.run()
     engine.assert_fault_free_outputs("a")
     engine.add("b", prompt(50))

@@ -136,13 +136,13 @@ def test_a_broken_stream_leaves_every_unanswered_step_in_doubt_and_the_next_step
     runner, backends, service = executor_service
     out = [backends.submit(ExecuteStep([prefill(f"r{i}", [1, 2], i)], executor_epoch=runner.epoch, step_id=i))
            for i in (1, 2)]
-    broken = backends.stream
+    broken = backends.streams[""]
     service.stop(grace=0)  # the executor goes away with both steps out
     for pending in out:
         with pytest.raises(ExecutorUnavailable):
             pending.result()
     assert broken.broken
     after = backends.submit(ExecuteStep([prefill("r3", [1, 2], 3)], executor_epoch=runner.epoch, step_id=3))
-    assert backends.stream is not broken
+    assert backends.streams[""] is not broken
     with pytest.raises(ExecutorUnavailable):  # nobody serves: the new stream fails as well, in doubt
         after.result()
