@@ -392,12 +392,7 @@ class Service:
         second signal cutting the drain short, and shuts down cleanly. main_loop, if given, runs on this
         (the main) thread until the stop event is set."""
         stopping, interrupted = threading.Event(), threading.Event()
-
-        def on_signal(*_) -> None:
-            (interrupted if stopping.is_set() else stopping).set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
+        stop_on_signals(stopping, interrupted)
         if os.environ.get(PARENT_PID_ENV):
             threading.Thread(target=self._stop_when_orphaned, args=(int(os.environ[PARENT_PID_ENV]), stopping),
                              name="parent-watch", daemon=True).start()
@@ -418,6 +413,21 @@ class Service:
             if os.getppid() != parent_pid:
                 logger.warning("%s: its launcher (pid %d) is gone; shutting down", self.name, parent_pid)
                 stopping.set()
+
+
+def stop_on_signals(stopping: threading.Event, interrupted: threading.Event | None = None) -> None:
+    """SIGTERM or SIGINT sets `stopping`; the ones after it set `interrupted`. A handler runs on the main
+    thread, which may be inside one of these events' own wait() at that moment, holding its lock: setting the
+    event there would wait for that lock forever. So a thread of its own sets it."""
+    received = []
+
+    def on_signal(*_) -> None:
+        received.append(True)
+        event = stopping if len(received) == 1 or interrupted is None else interrupted
+        threading.Thread(target=event.set, name="on-signal", daemon=True).start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
 
 
 # A step allocates thousands of short-lived objects; Python's default (a young collection every 700

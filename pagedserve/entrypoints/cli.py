@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 
@@ -57,6 +56,7 @@ def _compose_stack(args: argparse.Namespace, configs: dict):
 
 def _up(args: argparse.Namespace) -> int:
     from pagedserve.entrypoints.launcher import Stack
+    from pagedserve.service import stop_on_signals
 
     configs = from_args(args.parser, args, UP_SECTIONS)
     if (args.scale or args.profile) and not args.compose:
@@ -73,8 +73,7 @@ def _up(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         args.parser.error(str(error))
     stopping = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
+    stop_on_signals(stopping)
     # What the supervisor does (a service died, restarted, given up on) is news for whoever runs this.
     supervisor_log = logging.getLogger("pagedserve.entrypoints.supervisor")
     handler = logging.StreamHandler(sys.stdout)
