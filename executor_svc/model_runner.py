@@ -34,7 +34,7 @@ from executor_svc.costs import copy_bytes_per_s, prefill_tokens_per_s
 from executor_svc.offload import HostTier, RedisTier, SwapSpace
 from executor_svc.sampler import Sampler, SamplingBatch, TokenCounts
 from executor_svc.structured_output import GrammarError, RequestGrammar, StructuredOutput
-from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_flags
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_choice
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import (
     BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken, num_loaded_tokens,
@@ -51,8 +51,7 @@ def _dtype_reason(requested: str, resolved: ModelConfig) -> str:
         return "requested"
     if resolved.device.startswith("cuda"):
         return "auto: CUDA"
-    flags = cpu_bf16_flags()
-    return f"auto: the CPU has {', '.join(flags)}" if flags else "auto: the CPU has no native bfloat16 matrix support"
+    return f"auto: {cpu_bf16_choice()[1]}"
 
 
 class StaleEpoch(Exception):

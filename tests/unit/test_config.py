@@ -262,10 +262,23 @@ def test_auto_dtype_follows_the_cpus_bfloat16_support(tmp_path, monkeypatch):
     assert config.cpu_bf16_flags(str(avx2)) == ()
     assert config.cpu_bf16_flags(str(tmp_path / "missing")) == ()  # unreadable: never assumed
     monkeypatch.setattr(config, "cpu_bf16_flags", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(config, "cpu_bf16_speedup", lambda: 3.5)
     assert ModelConfig(device="cpu").resolved().dtype == "bfloat16"
     assert ModelConfig(device="cpu", dtype="float32").resolved().dtype == "float32"
+    # The flags, but bfloat16 products measured slower than float32's: float32.
+    monkeypatch.setattr(config, "cpu_bf16_speedup", lambda: 0.6)
+    assert ModelConfig(device="cpu").resolved().dtype == "float32"
+    assert "0.60x as fast as float32, under 1.3x" in config.cpu_bf16_choice()[1]
     monkeypatch.setattr(config, "cpu_bf16_flags", lambda: ())
     assert ModelConfig(device="cpu").resolved().dtype == "float32"
     assert ModelConfig(device="cuda").resolved().dtype == "bfloat16"
     with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
         ModelConfig(cpu_threads=0)
+
+
+def test_the_bfloat16_speedup_is_measured_on_this_cpu():
+    import pagedserve.config as config
+
+    speedup = config.cpu_bf16_speedup()
+    assert 0.05 < speedup < 50  # a real ratio of two timed products, whichever way this CPU leans
+    assert config.cpu_bf16_speedup() == speedup  # measured once per process

@@ -23,14 +23,20 @@ def restore_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("flags, dtype", [(("avx512_bf16",), "bfloat16"), ((), "float32")])
-def test_auto_dtype_follows_the_cpu_and_get_info_reports_it(tiny_llama_dir, monkeypatch, caplog, flags, dtype):
+@pytest.mark.parametrize("flags, speedup, dtype, reason", [
+    (("avx512_bf16",), 3.5, "bfloat16", "the CPU has avx512_bf16 and runs a bfloat16 matrix product 3.50x as fast "
+                                        "as float32, at least 1.3x"),
+    (("avx512_bf16",), 0.6, "float32", "the CPU has avx512_bf16 and runs a bfloat16 matrix product 0.60x as fast "
+                                       "as float32, under 1.3x"),
+    ((), None, "float32", "the CPU has no native bfloat16 matrix support"),
+])
+def test_auto_dtype_follows_the_cpu_and_get_info_reports_it(tiny_llama_dir, monkeypatch, caplog, flags, speedup,
+                                                            dtype, reason):
     monkeypatch.setattr(pagedserve.config, "cpu_bf16_flags", lambda: flags)
-    monkeypatch.setattr("executor_svc.model_runner.cpu_bf16_flags", lambda: flags)
+    monkeypatch.setattr(pagedserve.config, "cpu_bf16_speedup", lambda: speedup)
     with caplog.at_level(logging.INFO, logger="executor_svc.model_runner"):
         runner = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
     assert executor_info(runner).dtype == dtype and runner.kv_caches[0][0].dtype == getattr(torch, dtype)
-    reason = "the CPU has avx512_bf16" if flags else "the CPU has no native bfloat16 matrix support"
     assert f"dtype {dtype} (auto: {reason})" in caplog.text
 
 
