@@ -24,9 +24,9 @@ def restore_threads():
 
 
 @pytest.mark.parametrize("flags, speedup, dtype, reason", [
-    (("avx512_bf16",), 3.5, "bfloat16", "the CPU has avx512_bf16 and runs a bfloat16 matrix product 3.50x as fast "
+    (("avx512_bf16",), 3.5, "bfloat16", "the CPU has avx512_bf16 and runs bfloat16 linear layers 3.50x as fast "
                                         "as float32, at least 1.3x"),
-    (("avx512_bf16",), 0.6, "float32", "the CPU has avx512_bf16 and runs a bfloat16 matrix product 0.60x as fast "
+    (("avx512_bf16",), 0.6, "float32", "the CPU has avx512_bf16 and runs bfloat16 linear layers 0.60x as fast "
                                        "as float32, under 1.3x"),
     ((), None, "float32", "the CPU has no native bfloat16 matrix support"),
 ])
