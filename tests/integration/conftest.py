@@ -1,6 +1,7 @@
 """Fixtures of the modules that drive the HTTP and gRPC APIs of one running stack: the default model in
 float32 (so that outputs compare with transformers' float32 references) under its own name, one stack per
-module."""
+module. And, for the modules that start stacks of their own on the tiny model and compare them with a
+fault-free run: `model` and `reference`."""
 from __future__ import annotations
 
 import pytest
@@ -54,3 +55,17 @@ def hf_model():
     from executor_svc.model_loader import resolve_model_dir
 
     return AutoModelForCausalLM.from_pretrained(resolve_model_dir("default"), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_with_tokenizer) -> str:
+    """The tiny random Llama with a tokenizer (tests/conftest.py)."""
+    return str(tiny_model_with_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The offline LLM on `model`: what a fault-free run gives."""
+    from pagedserve import LLM
+
+    return LLM(model, device="cpu", kv_cache_memory=64 << 20)

@@ -25,16 +25,6 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_with_tokenizer):
-    return str(tiny_model_with_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    return LLM(model, device="cpu", kv_cache_memory=64 << 20)
-
-
-@pytest.fixture(scope="module")
 def stack(model):
     config = PagedServeConfig.from_kwargs(model=model, device="cpu", port=0, log_level="WARNING",
                                           kv_cache_memory=64 << 20, executors=2, restart_backoff=0.5)
