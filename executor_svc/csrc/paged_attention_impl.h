@@ -149,16 +149,25 @@ static inline void float_rows(const T* const* src, int count, int D, float* buf,
   }
 }
 
+// The online softmax works a tile of KEY_TILE keys at a time: the running max, the rescale of the
+// accumulators and their loads and stores are paid once a tile rather than once every few keys.
+static_assert(KEY_TILE % W == 0 && KEY_TILE % ROWS_KEY_CHUNK == 0, "a tile is whole vectors and chunks");
+// Output accumulators the dot-product path keeps in registers while it walks a tile's values: a slice of
+// PV_VECS vectors of head_dim at a time (all of head_dim 64 on AVX2, with room left for the operands).
+constexpr int PV_VECS = 8;
+
 // Few query rows (decodes: one query, the G heads of a KV head): scores are dot products along head_dim,
-// keys W at a time so that the softmax of a chunk is one vector.
+// W keys at a time summed across lanes into one vector; decode is bound by reading K/V, so the next tile's
+// rows are prefetched (into L2) while this one computes.
 template <typename T, int HEAD_DIM>
 static void attend_dot(const Args& a, const WorkItem& it) {
+  constexpr int TK = KEY_TILE;
   const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
   const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
   const T* q = (const T*)a.query;
   alignas(64) float qs[MAX_DOT_ROWS][MAX_HEAD_DIM];
   alignas(64) float acc[MAX_DOT_ROWS][MAX_HEAD_DIM];
-  alignas(64) float sc[MAX_DOT_ROWS][W];
+  alignas(64) float pw[MAX_DOT_ROWS][TK];  // a tile's scores, then its softmax weights
   float m[MAX_DOT_ROWS], l[MAX_DOT_ROWS];
   int pos[MAX_DOT_ROWS];
   const int rows = it.rows;
@@ -172,46 +181,70 @@ static void attend_dot(const Args& a, const WorkItem& it) {
     pos[r] = first_pos + row / G;
   }
   const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
-  const T* kp[W];
-  const T* vp[W];
-  const T* next_kp[W];
-  const T* next_vp[W];
-  chunk_rows(a, s, h, 0, W, key_end, next_kp, next_vp);
-  for (int j0 = 0; j0 < key_end; j0 += W) {
-    for (int j = 0; j < W; j++) {
+  const T* kp[TK];
+  const T* vp[TK];
+  const T* next_kp[TK];
+  const T* next_vp[TK];
+  chunk_rows(a, s, h, 0, TK, key_end, next_kp, next_vp);
+  for (int j0 = 0; j0 < key_end; j0 += TK) {
+    for (int j = 0; j < TK; j++) {
       kp[j] = next_kp[j];
       vp[j] = next_vp[j];
     }
-    // Decode is bound by reading K/V from memory: ask for the next chunk's rows while this one computes.
-    if (j0 + W < key_end) {
-      chunk_rows(a, s, h, j0 + W, W, key_end, next_kp, next_vp);
-      for (int j = 0; j < W; j++)
-        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) {
-          __builtin_prefetch((const char*)next_kp[j] + byte);
-          __builtin_prefetch((const char*)next_vp[j] + byte);
-        }
-    }
-    V key_pos = splat((float)j0);
-    for (int j = 0; j < W; j++) key_pos[j] += (float)j;
+    const int nk = key_end - j0 < TK ? key_end - j0 : TK;  // keys from nk on read the row of zeros
+    const bool more = j0 + TK < key_end;
+    if (more) chunk_rows(a, s, h, j0 + TK, TK, key_end, next_kp, next_vp);
     for (int r = 0; r < rows; r++) {
-      V dots[W];
-      for (int j = 0; j < W; j++) {
-        dots[j] = V{};
-        for (int d = 0; d < D; d += W) dots[j] += load(&qs[r][d]) * load(kp[j] + d);
+      V mx = splat(-__builtin_inff());
+      for (int jj = 0; jj < TK; jj += W) {
+        // The next tile's rows are asked for a key at a time, spread over this tile's first row, so that
+        // the misses overlap the arithmetic without flooding the miss buffers at once.
+        if (r == 0 && more)
+          for (int j = 0; j < W; j++)
+            for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) {
+              __builtin_prefetch((const char*)next_kp[jj + j] + byte, 0, 2);
+              __builtin_prefetch((const char*)next_vp[jj + j] + byte, 0, 2);
+            }
+        // head_dim outermost: each step feeds all W keys' sums, W independent chains.
+        V dots[W];
+        for (int j = 0; j < W; j++) dots[j] = V{};
+        for (int d = 0; d < D; d += W) {
+          const V qv = load(&qs[r][d]);
+          for (int j = 0; j < W; j++) dots[j] += qv * load(kp[jj + j] + d);
+        }
+        V scores = transpose_sum(dots);
+        V key_pos = splat((float)(j0 + jj));
+        for (int j = 0; j < W; j++) key_pos[j] += (float)j;
+        scores = key_pos > splat((float)pos[r]) ? splat(-__builtin_inff()) : scores;
+        mx = vmax(mx, scores);
+        store(&pw[r][jj], scores);
       }
-      V scores = transpose_sum(dots);
-      scores = key_pos > splat((float)pos[r]) ? splat(-__builtin_inff()) : scores;
-      const float m_new = hmax(scores) > m[r] ? hmax(scores) : m[r];
+      const float m_new = hmax(mx) > m[r] ? hmax(mx) : m[r];
       const float alpha = vexp(splat(m[r] - m_new))[0];
-      V p = vexp(scores - m_new);
-      p = scores == splat(-__builtin_inff()) ? V{} : p;
-      l[r] = l[r] * alpha + hsum(p);
+      V sum = V{};
+      for (int jj = 0; jj < TK; jj += W) {
+        V scores = load(&pw[r][jj]);
+        V p = vexp(scores - m_new);
+        p = scores == splat(-__builtin_inff()) ? V{} : p;
+        sum += p;
+        store(&pw[r][jj], p);
+      }
+      l[r] = l[r] * alpha + hsum(sum);
       m[r] = m_new;
-      store(sc[r], p);  // the weights, read back one by one below
-      for (int d = 0; d < D; d += W) {
-        V o = load(&acc[r][d]) * alpha;
-        for (int j = 0; j < W; j++) o += sc[r][j] * load(vp[j] + d);
-        store(&acc[r][d], o);
+      // Every accumulator of the slice is a chain of its own: one FMA per key each, all independent.
+      for (int d0 = 0; d0 < D; d0 += PV_VECS * W) {
+        const int nv = (D - d0) / W < PV_VECS ? (D - d0) / W : PV_VECS;
+        V o[PV_VECS];
+        for (int v = 0; v < PV_VECS; v++)
+          if (v < nv) o[v] = load(&acc[r][d0 + v * W]) * alpha;
+        for (int j = 0; j < nk; j++) {
+          const V w = splat(pw[r][j]);
+          const T* vr = vp[j] + d0;
+          for (int v = 0; v < PV_VECS; v++)
+            if (v < nv) o[v] += w * load(vr + v * W);
+        }
+        for (int v = 0; v < PV_VECS; v++)
+          if (v < nv) store(&acc[r][d0 + v * W], o[v]);
       }
     }
   }
@@ -226,18 +259,20 @@ static void attend_dot(const Args& a, const WorkItem& it) {
 
 // Many query rows (prefill chunks): rows are vectorised instead, ROW_VECS * W of them per item, so each key
 // element is broadcast against a vector of query rows (a small GEMM with the queries transposed once) and
-// the online softmax runs across rows, with no horizontal sums.
+// the online softmax runs across rows, with no horizontal sums. A tile's scores are computed ROWS_KEY_CHUNK
+// keys at a time (as many accumulators as the registers hold), then its weights applied to the values.
 template <typename T, int HEAD_DIM>
 static void attend_rows(const Args& a, const WorkItem& it) {
-  constexpr int RV = ROW_VECS, RT = ROW_VECS * W, KC = ROWS_KEY_CHUNK;
+  constexpr int RV = ROW_VECS, RT = ROW_VECS * W, KC = ROWS_KEY_CHUNK, TK = KEY_TILE;
   const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
   const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
   const T* q = (const T*)a.query;
   alignas(64) float qt[MAX_HEAD_DIM][RT];
   alignas(64) float acc[MAX_HEAD_DIM][RT];
+  alignas(64) float pw[TK][RT];  // a tile's scores, then its softmax weights
   alignas(64) float posf[RT];
-  alignas(64) float kbuf[sizeof(T) == 4 ? 1 : KC * MAX_HEAD_DIM];
-  alignas(64) float vbuf[sizeof(T) == 4 ? 1 : KC * MAX_HEAD_DIM];
+  alignas(64) float kbuf[sizeof(T) == 4 ? 1 : TK * MAX_HEAD_DIM];
+  alignas(64) float vbuf[sizeof(T) == 4 ? 1 : TK * MAX_HEAD_DIM];
   const int rows = it.rows;
   for (int i = 0; i < RT; i++) {
     const int row = it.row0 + i;
@@ -260,55 +295,66 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   }
   const int min_pos = first_pos + it.row0 / G;
   const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
-  for (int j0 = 0; j0 < key_end; j0 += KC) {
-    const T* kp[KC];
-    const T* vp[KC];
-    chunk_rows(a, s, h, j0, KC, key_end, kp, vp);
-    const float* kf[KC];
-    const float* vf[KC];
-    float_rows(kp, KC, D, kbuf, kf);
-    float_rows(vp, KC, D, vbuf, vf);
-    V sc[KC][RV];
-    for (int j = 0; j < KC; j++)
-      for (int v = 0; v < RV; v++) sc[j][v] = V{};
-    for (int d = 0; d < D; d++) {
-      V qv[RV];
-      for (int v = 0; v < RV; v++) qv[v] = load(&qt[d][v * W]);
-      for (int j = 0; j < KC; j++) {
-        const float k = kf[j][d];
-        for (int v = 0; v < RV; v++) sc[j][v] += qv[v] * k;
-      }
-    }
-    const bool masked = j0 + KC - 1 > min_pos;  // some key of the chunk lies after some row's position
-    if (masked)
+  for (int j0 = 0; j0 < key_end; j0 += TK) {
+    const int nk = key_end - j0 < TK ? key_end - j0 : TK;  // keys from nk on read the row of zeros
+    const int nc = (nk + KC - 1) / KC * KC;  // whole chunks of scores
+    const T* kp[TK];
+    const T* vp[TK];
+    chunk_rows(a, s, h, j0, TK, key_end, kp, vp);
+    const float* kf[TK];
+    const float* vf[TK];
+    float_rows(kp, nc, D, kbuf, kf);
+    float_rows(vp, nk, D, vbuf, vf);
+    for (int jc = 0; jc < nc; jc += KC) {
+      V sc[KC][RV];
       for (int j = 0; j < KC; j++)
-        for (int v = 0; v < RV; v++) sc[j][v] = splat((float)(j0 + j)) > pos[v] ? splat(-__builtin_inff()) : sc[j][v];
+        for (int v = 0; v < RV; v++) sc[j][v] = V{};
+      for (int d = 0; d < D; d++) {
+        V qv[RV];
+        for (int v = 0; v < RV; v++) qv[v] = load(&qt[d][v * W]);
+        for (int j = 0; j < KC; j++) {
+          const float k = kf[jc + j][d];
+          for (int v = 0; v < RV; v++) sc[j][v] += qv[v] * k;
+        }
+      }
+      for (int j = 0; j < KC; j++)
+        for (int v = 0; v < RV; v++) store(&pw[jc + j][v * W], sc[j][v]);
+    }
+    const bool masked = j0 + nk - 1 > min_pos;  // some key of the tile lies after some row's position
     V alpha[RV];
     for (int v = 0; v < RV; v++) {
       V m_new = m[v];
-      for (int j = 0; j < KC; j++) m_new = vmax(m_new, sc[j][v]);
+      for (int j = 0; j < nk; j++) {
+        V score = load(&pw[j][v * W]);
+        if (masked) score = splat((float)(j0 + j)) > pos[v] ? splat(-__builtin_inff()) : score;
+        store(&pw[j][v * W], score);
+        m_new = vmax(m_new, score);
+      }
       alpha[v] = vexp(m[v] - m_new);
       V sum = V{};
-      for (int j = 0; j < KC; j++) {
-        V p = vexp(sc[j][v] - m_new);
-        if (masked) p = sc[j][v] == splat(-__builtin_inff()) ? V{} : p;
-        sc[j][v] = p;
+      for (int j = 0; j < nk; j++) {
+        V score = load(&pw[j][v * W]);
+        V p = vexp(score - m_new);
+        if (masked) p = score == splat(-__builtin_inff()) ? V{} : p;
+        store(&pw[j][v * W], p);
         sum += p;
       }
       l[v] = l[v] * alpha[v] + sum;
       m[v] = m_new;
     }
-    // Four head_dim positions at a time: each accumulator takes KC dependent FMAs, so eight chains (not two)
-    // keep the FMA units busy.
+    // Four head_dim positions at a time: 4 x RV independent accumulators, each taking one FMA per key.
     for (int d = 0; d < D; d += 4) {
       V o[4][RV];
       for (int u = 0; u < 4; u++)
         for (int v = 0; v < RV; v++) o[u][v] = load(&acc[d + u][v * W]) * alpha[v];
-      for (int j = 0; j < KC; j++)
+      for (int j = 0; j < nk; j++) {
+        V p[RV];
+        for (int v = 0; v < RV; v++) p[v] = load(&pw[j][v * W]);
         for (int u = 0; u < 4; u++) {
           const float val = vf[j][d + u];
-          for (int v = 0; v < RV; v++) o[u][v] += sc[j][v] * val;
+          for (int v = 0; v < RV; v++) o[u][v] += p[v] * val;
         }
+      }
       for (int u = 0; u < 4; u++)
         for (int v = 0; v < RV; v++) store(&acc[d + u][v * W], o[u][v]);
     }
