@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, model_name, parse
-from pagedserve.service import Security, Service, channel, configure_logging
+from pagedserve.service import AioService, Security, channel, configure_logging
 from pagedserve.v1 import generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SECTIONS = {
@@ -32,11 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     info = scheduler.GetInfo(scheduler_pb2.SchedulerInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout)
     tokenizer = AutoTokenizer.from_pretrained(configs[ModelConfig].tokenizer or info.model_dir)
     link = SchedulerLink(scheduler)
-    service = Service("frontend", serving.host, serving.listen_port("frontend"), max_workers=serving.max_streams,
-                      security=security, public=True, max_message_bytes=serving.max_message_bytes,
-                      dependencies={"scheduler_svc": serving.scheduler})
+    service = AioService("frontend", serving.host, serving.listen_port("frontend"), security=security, public=True,
+                         max_message_bytes=serving.max_message_bytes, dependencies={"scheduler_svc": serving.scheduler})
     max_prompt_chars = serving.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * info.max_model_len
-    servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars)
+    servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars, serving.max_streams)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
     http = None
     if serving.http_address:

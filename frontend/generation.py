@@ -9,7 +9,10 @@ first token arrives, which is after its whole prompt has been computed, and are 
 """
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,3 +119,47 @@ class GenerateCall:
         self.abort()
         for request_id in self.submitted:
             self.link.release(request_id)
+
+
+class AsyncInbox:
+    """The link's side of a call served on an event loop (either API's): outputs put from the link's thread
+    land in `queue`, an asyncio queue of the loop that made the inbox."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.mail = _mail.get(loop) or _mail.setdefault(loop, _LoopMail(loop))
+
+    def put(self, item) -> None:
+        self.mail.put(self.queue, item)
+
+
+class _LoopMail:
+    """Hands items from other threads to a loop's queues, one wake-up for all those put until the loop runs
+    them: a step's outputs for hundreds of calls cost one call_soon_threadsafe (a write to the loop's
+    self-pipe), not one each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, object]] = []
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.pending.append((queue, item))
+            if len(self.pending) > 1:  # a delivery is already due
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop has closed: nobody waits for it any more
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
+# Each event loop's mail, made by its first inbox.
+_mail: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMail]" = weakref.WeakKeyDictionary()

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from frontend.generation import DRAINING, ChoiceDelta, GenerateCall, GenerateError
+from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.step import SampledToken
 
@@ -353,7 +353,7 @@ class OpenAIServer:
         # Refused here, before a stream's 200 goes out; the link refuses one that slips past (as an error event).
         if self.link.draining:
             raise APIError(503, DRAINING)
-        return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, _AsyncInbox())
+        return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, AsyncInbox())
 
     @staticmethod
     def _json(body: dict, request_id: str) -> JSONResponse:
@@ -454,20 +454,6 @@ class OpenAIServer:
         return [{**entry(t.token_id, t.logprob),
                  "top_logprobs": [entry(i, lp) for i, lp in zip(t.top_token_ids, t.top_logprobs)]}
                 for t in tokens]
-
-
-class _AsyncInbox:
-    """The link's side of an HTTP call: outputs put from the link's thread land in an asyncio queue."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the server's loop has closed: nobody waits for it any more
-            pass
 
 
 def _messages(messages: list[Message]) -> list[dict]:

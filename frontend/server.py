@@ -1,10 +1,11 @@
 """The public Generate API: validate, tokenize, stream from the scheduler, turn tokens into text.
 
-All of this frontend's requests share one stream to the scheduler; each step's batched update is fanned
-out to the waiting client streams here.
+All of this frontend's requests share one stream to the scheduler, read on the link's thread; each step's
+batched update is fanned out from there to the client streams, all served on one event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from frontend.generation import DRAINING, GenerateCall, GenerateError
+from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.convert import FINISH_REASONS, request_output_from_proto, sampling_to_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -23,8 +24,6 @@ from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2
 
 logger = logging.getLogger(__name__)
 
-# How often a waiting stream checks that its client is still there (cancellation also arrives as a callback).
-POLL_S = 1.0
 GRPC_CODES = {
     "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "error": grpc.StatusCode.INTERNAL,
@@ -211,23 +210,28 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    """Served on gRPC's asyncio server (AioService): every call is a task of its one event loop, which reads
+    its outputs from an AsyncInbox; nothing here blocks that loop but the tokenizer."""
+
     def __init__(self, link: SchedulerLink, tokenizer, info: scheduler_pb2.SchedulerInfo,
-                 max_prompt_chars: int) -> None:
+                 max_prompt_chars: int, max_streams: int) -> None:
         self.link = link
         self.tokenizer = tokenizer
         self.info = info
         self.max_prompt_chars = max_prompt_chars
         # Client request ids in flight here. The scheduler sees a fresh id per submission instead: it frees
         # an id a step after the request ends, and a client may reuse its own the moment its stream ends.
+        # (Only the loop's thread touches it.)
         self.in_flight: set[str] = set()
-        self.in_flight_lock = threading.Lock()
+        # Calls beyond it wait for a stream to end, as they waited for a worker thread on the sync server.
+        self.streams = asyncio.Semaphore(max_streams)
 
-    def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context):
         return generate_pb2.ModelInfo(
             model=self.info.model, max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size
         )
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         inp = _generate_input(request)
         try:
             prompt_ids, params = validate_and_tokenize(
@@ -235,44 +239,35 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 max_prompt_chars=self.max_prompt_chars,
             )
         except ValidationError as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         request_id = inp.request_id
-        with self.in_flight_lock:
-            duplicate = request_id in self.in_flight
-            self.in_flight.add(request_id)
-        if duplicate:
-            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        if request_id in self.in_flight:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        self.in_flight.add(request_id)
         try:
-            call = GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, queue.SimpleQueue(),
-                                priority=inp.priority)
-            # Whatever ends the call (a client cancel, a deadline, the end of the stream), the scheduler is
-            # told; aborting a finished request is a no-op there.
-            context.add_callback(call.abort)
-            try:
-                yield from self._stream(request_id, call, context)
-            except GenerateError as error:
-                context.abort(GRPC_CODES[error.kind], str(error))
-            finally:
-                call.close()
+            async with self.streams:
+                call = GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, AsyncInbox(),
+                                    priority=inp.priority)
+                # A cancel or a deadline cancels this generator where it awaits its inbox, and the finally
+                # below runs then; one that comes while gRPC sends a response leaves it suspended until it is
+                # closed. The callback tells the scheduler at once either way (aborting a finished request is
+                # a no-op there).
+                context.add_done_callback(lambda _: call.abort())
+                try:
+                    call.start()
+                    while not call.finished:
+                        output = await call.inbox.queue.get()
+                        for output in _with_the_rest(output, call.inbox.queue):
+                            yield _response(request_id, call.process(output))
+                except GenerateError as error:
+                    await context.abort(GRPC_CODES[error.kind], str(error))
+                finally:
+                    call.close()
         finally:
-            with self.in_flight_lock:
-                self.in_flight.discard(request_id)
-
-    @staticmethod
-    def _stream(request_id, call: GenerateCall, context):
-        call.start()
-        while not call.finished:
-            try:
-                output = call.inbox.get(timeout=POLL_S)
-            except queue.Empty:
-                if not context.is_active():
-                    return
-                continue
-            for output in _with_the_rest(output, call.inbox):
-                yield _response(request_id, call.process(output))
+            self.in_flight.discard(request_id)
 
 
-def _with_the_rest(output, inbox: queue.SimpleQueue) -> list:
+def _with_the_rest(output, inbox: asyncio.Queue) -> list:
     """The output with those that came after it, joined per request: a client that reads slower than the
     steps come gets fewer, bigger messages rather than a growing backlog. None (the link closed) stays in
     the inbox for the next round."""
@@ -282,7 +277,7 @@ def _with_the_rest(output, inbox: queue.SimpleQueue) -> list:
     while not inbox.empty():
         more = inbox.get_nowait()
         if more is None:
-            inbox.put(None)
+            inbox.put_nowait(None)
             break
         outputs.append(more)
     return join_outputs(outputs)

@@ -2,6 +2,8 @@
 security (TLS, mutual TLS), the internal shared secret, public API keys, and serving until SIGTERM or SIGINT."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import gc
 import hmac
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagedserve.config import API_KEY_ENV, INTERNAL_TOKEN_ENV, PARENT_PID_ENV
@@ -220,10 +223,15 @@ class _Undecodable:
     traceback per request."""
 
 
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str,
+             aio: bool) -> grpc.RpcMethodHandler:
     """A handler of the same shape that answers code without decoding the request."""
-    def refuse(request, context):
-        context.abort(code, message)
+    if aio:
+        async def refuse(request, context):
+            await context.abort(code, message)
+    else:
+        def refuse(request, context):
+            context.abort(code, message)
 
     make = {
         (False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
@@ -232,9 +240,10 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     return make(refuse, response_serializer=handler.response_serializer)
 
 
-def _decode_quietly(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _decode_quietly(handler: grpc.RpcMethodHandler, method: str, aio: bool) -> grpc.RpcMethodHandler:
     """A unary-request handler whose undecodable request (not a message of its type, or a string field that
-    is not valid UTF-8) gets INVALID_ARGUMENT. Streaming requests are internal only and keep gRPC's answer."""
+    is not valid UTF-8) gets INVALID_ARGUMENT. Streaming requests are internal only and keep gRPC's answer.
+    aio: the handler's behaviour is a coroutine function or, streaming responses, an async generator one."""
     if handler.request_streaming or handler.request_deserializer is None:
         return handler
     deserialize = handler.request_deserializer
@@ -247,13 +256,28 @@ def _decode_quietly(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMeth
 
     behavior_name = "unary_stream" if handler.response_streaming else "unary_unary"
     behavior = getattr(handler, behavior_name)
+    undecodable = (grpc.StatusCode.INVALID_ARGUMENT,
+                   f"{method}: the request is not a valid protobuf message of its type (a malformed message, or "
+                   "a string field such as prompt or stop that is not valid UTF-8)")
 
-    def checked(request, context):
-        if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{method}: the request is not a valid protobuf message of its type (a malformed "
-                          "message, or a string field such as prompt or stop that is not valid UTF-8)")
-        return behavior(request, context)
+    if not aio:
+        def checked(request, context):
+            if isinstance(request, _Undecodable):
+                context.abort(*undecodable)
+            return behavior(request, context)
+    elif handler.response_streaming:
+        async def checked(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(*undecodable)
+            # Closed with this one, so that the call's own clean-up runs when the client goes away.
+            async with contextlib.aclosing(behavior(request, context)) as responses:
+                async for response in responses:
+                    yield response
+    else:
+        async def checked(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(*undecodable)
+            return await behavior(request, context)
 
     return handler._replace(request_deserializer=safe_deserialize, **{behavior_name: checked})
 
@@ -274,6 +298,8 @@ class _Gate(grpc.ServerInterceptor):
     """Every call but health: the internal token (internal servers) or an API key (the public one), then
     quiet decoding."""
 
+    aio = False
+
     def __init__(self, security: Security, public: bool) -> None:
         self.security = security
         self.public = public
@@ -288,14 +314,25 @@ class _Gate(grpc.ServerInterceptor):
                 return "internal RPCs need this deployment's internal token"
         return None
 
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
+    def _gated(self, handler: grpc.RpcMethodHandler | None, details) -> grpc.RpcMethodHandler | None:
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
         refused = self._refused(dict(details.invocation_metadata or ()))
         if refused:
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, refused)
-        return _decode_quietly(handler, details.method)
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, refused, self.aio)
+        return _decode_quietly(handler, details.method, self.aio)
+
+    def intercept_service(self, continuation, details):
+        return self._gated(continuation(details), details)
+
+
+class _AioGate(_Gate, grpc.aio.ServerInterceptor):
+    """The gate of an asyncio server: the same decisions, async handlers."""
+
+    aio = True
+
+    async def intercept_service(self, continuation, details):
+        return self._gated(await continuation(details), details)
 
 
 class Drainable(Protocol):
@@ -324,11 +361,9 @@ class Service:
                         if dependencies else None)
         # gRPC turns SO_REUSEPORT on by default: a second server could then share a port already in use.
         options = [*_options(max_message_bytes), ("grpc.so_reuseport", 0)]
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
-                                  interceptors=[_Gate(security, public)])
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         credentials = security.server_credentials(public)
+        self.server, self.health = self._make_server(options, security, public, max_workers)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
             self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials
                          else self.server.add_insecure_port(f"{host}:{port}"))
@@ -341,14 +376,32 @@ class Service:
         self.draining = False
         self.health_lock = threading.Lock()  # a dependency's change must not undo the drain's NOT_SERVING
 
+    @staticmethod
+    def _make_server(options, security: Security, public: bool, max_workers: int):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
+                             interceptors=[_Gate(security, public)])
+        return server, health.HealthServicer()
+
+    def _start_server(self) -> None:
+        self.server.start()
+
+    def _set_health(self, service: str, status) -> None:
+        self.health.set(service, status)
+
+    def _stop_server(self, grace: float) -> None:
+        self.health.enter_graceful_shutdown()
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.server.stop(grace).wait()
+
     def start(self) -> None:
         tune_garbage_collector()
-        self.server.start()
-        self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self._start_server()
+        self._set_health(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         if self.watcher is not None:
             self.watcher.start()
         else:
-            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            self._set_health("", health_pb2.HealthCheckResponse.SERVING)
         logger.info("%s serving on %s%s", self.name, self.address, " (TLS)" if self.tls else "")
 
     def _dependencies_changed(self, healthy: bool, down: list[str]) -> None:
@@ -356,10 +409,10 @@ class Service:
             if self.draining:
                 return
             if healthy:
-                self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+                self._set_health("", health_pb2.HealthCheckResponse.SERVING)
                 logger.info("%s: every dependency is serving; SERVING", self.name)
             else:
-                self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                self._set_health("", health_pb2.HealthCheckResponse.NOT_SERVING)
                 logger.warning("%s: %s not serving; NOT_SERVING until it is", self.name, ", ".join(down))
 
     def drain(self, drainable: Drainable, timeout: float, interrupted: threading.Event | None = None) -> bool:
@@ -367,7 +420,7 @@ class Service:
         the requests in flight to finish, while the server goes on serving them. Whether they all did."""
         with self.health_lock:
             self.draining = True
-            self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._set_health("", health_pb2.HealthCheckResponse.NOT_SERVING)
         drainable.start_draining()
         logger.info("%s draining: NOT_SERVING, refusing new requests, up to %g s for those in flight",
                     self.name, timeout)
@@ -381,10 +434,7 @@ class Service:
         return True
 
     def stop(self, grace: float = 2.0) -> None:
-        self.health.enter_graceful_shutdown()
-        if self.watcher is not None:
-            self.watcher.stop()
-        self.server.stop(grace).wait()
+        self._stop_server(grace)
 
     def serve_until_signalled(self, on_stop=None, main_loop=None, drainable: Drainable | None = None,
                               drain_timeout: float = 0.0) -> None:
@@ -407,12 +457,58 @@ class Service:
             on_stop()
         self.stop()
 
-
     def _stop_when_orphaned(self, parent_pid: int, stopping: threading.Event) -> None:
         while not stopping.wait(PARENT_POLL_S):
             if os.getppid() != parent_pid:
                 logger.warning("%s: its launcher (pid %d) is gone; shutting down", self.name, parent_pid)
                 stopping.set()
+
+
+class AioService(Service):
+    """A Service whose server is gRPC's asyncio one, on an event loop of its own thread: its handlers are
+    coroutines and async generators, every call served on that one thread. The rest (signals, the drain, the
+    dependency watcher) runs on other threads as for a Service, and reaches the server and its health
+    through the loop. max_workers is unused: calls are tasks, not threads."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self.loop_thread.start()
+        super().__init__(*args, **kwargs)
+
+    def _on_loop(self, coroutine):
+        """Runs a coroutine on the loop and waits for its result; from any thread but the loop's."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def _make_server(self, options, security: Security, public: bool, max_workers: int):
+        async def make():  # the server and the health servicer's conditions belong to the loop they are made on
+            return (grpc.aio.server(options=options, interceptors=[_AioGate(security, public)]),
+                    health.aio.HealthServicer())
+
+        return self._on_loop(make())
+
+    def _start_server(self) -> None:
+        self._on_loop(self.server.start())
+
+    def _set_health(self, service: str, status) -> None:
+        self._on_loop(self.health.set(service, status))
+
+    def _stop_server(self, grace: float) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+
+        async def stop():
+            # The asyncio servicer's graceful shutdown only freezes the statuses; the sync one's also turns
+            # them NOT_SERVING, for the probes of the grace period.
+            for service in ("", LIVENESS_SERVICE):
+                await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace)
+
+        self._on_loop(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join()
+        self.loop.close()
 
 
 def stop_on_signals(stopping: threading.Event, interrupted: threading.Event | None = None) -> None:
