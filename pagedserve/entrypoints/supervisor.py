@@ -125,8 +125,9 @@ class Supervisor:
                 logger.warning("%s did not come back: %s", name, error)
                 _kill(process)
                 continue
-            self.restarts[name] = self.restarts.get(name, 0) + 1
+            # Logged before it is counted: whoever sees the count sees the log line too.
             logger.warning("%s restarted (pid %d) and serving again", name, process.pid)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
 
     def stop(self, timeout: float = 10.0, timeouts: dict[str, float] | None = None) -> None:
         """No more restarts; then the processes of each stage get SIGTERM together and are waited for, up to
