@@ -8,6 +8,7 @@ same configuration would give a real executor, so the scheduler and the block ma
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -25,6 +26,12 @@ from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.step import ExecuteRequest, ExecuteResult, ExecuteStep, SampledToken
 
 logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _id_hash(request_id: str) -> int:
+    """Stable across processes (unlike hash()); kept, since every step asks it of every running request."""
+    return zlib.crc32(request_id.encode())
 
 
 class SleepingRunner(ModelRunner):
@@ -80,7 +87,7 @@ class SleepingRunner(ModelRunner):
 
     def token_for(self, req: ExecuteRequest) -> int:
         """The token sampled after the request's last position: fixed by the request id and that position."""
-        token = (zlib.crc32(req.request_id.encode()) + req.start_position + len(req.token_ids)) % self.config.vocab_size
+        token = (_id_hash(req.request_id) + req.start_position + len(req.token_ids)) % self.config.vocab_size
         while token in self.eos_token_ids:
             token = (token + 1) % self.config.vocab_size
         return token

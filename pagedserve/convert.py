@@ -373,27 +373,30 @@ def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteRes
 
 
 def request_output_from_proto(message: scheduler_pb2.RequestOutput) -> RequestOutput:
+    # Every token of every request comes through here: logprobs are looked at only when there are some.
+    logprobs, prompt_logprobs = message.logprobs, message.prompt_logprobs
     return RequestOutput(
-        request_id=message.request_id,
-        new_token_ids=list(message.new_token_ids),
-        new_logprobs=[token_from_proto(t) for t in message.logprobs] or None,
-        finish_reason=FINISH_REASON_NAMES[message.finish_reason],
-        num_prompt_tokens=message.num_prompt_tokens,
-        num_output_tokens=message.num_output_tokens,
-        error=message.error or None,
-        prompt_logprobs=[token_from_proto(t) for t in message.prompt_logprobs] or None,
+        message.request_id, list(message.new_token_ids),
+        [token_from_proto(t) for t in logprobs] if logprobs else None,
+        FINISH_REASON_NAMES[message.finish_reason], message.num_prompt_tokens, message.num_output_tokens,
+        message.error or None,
+        [token_from_proto(t) for t in prompt_logprobs] if prompt_logprobs else None,
     )
 
 
 def request_output_to_proto(output: RequestOutput, out: scheduler_pb2.RequestOutput) -> scheduler_pb2.RequestOutput:
     out.request_id = output.request_id
-    out.new_token_ids[:] = output.new_token_ids
-    for token in output.new_logprobs or []:
-        token_to_proto(token, out.logprobs.add())
-    out.finish_reason = FINISH_REASONS[output.finish_reason]
+    out.new_token_ids.extend(output.new_token_ids)
+    if output.new_logprobs:
+        for token in output.new_logprobs:
+            token_to_proto(token, out.logprobs.add())
+    if output.finish_reason is not None:
+        out.finish_reason = FINISH_REASONS[output.finish_reason]
     out.num_prompt_tokens = output.num_prompt_tokens
     out.num_output_tokens = output.num_output_tokens
-    out.error = output.error or ""
-    for token in output.prompt_logprobs or []:
-        token_to_proto(token, out.prompt_logprobs.add())
+    if output.error:
+        out.error = output.error
+    if output.prompt_logprobs:
+        for token in output.prompt_logprobs:
+            token_to_proto(token, out.prompt_logprobs.add())
     return out

@@ -9,7 +9,6 @@ the executor (``ExecuteStep`` -> ``ExecuteResult``), whatever the batch size.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -253,10 +252,12 @@ def join_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     for output in outputs:
         earlier = joined.get(output.request_id)
         if earlier is not None:
-            output = dataclasses.replace(
-                output, new_token_ids=earlier.new_token_ids + output.new_token_ids,
-                new_logprobs=(earlier.new_logprobs or []) + (output.new_logprobs or []) or None,
-                prompt_logprobs=earlier.prompt_logprobs or output.prompt_logprobs,
+            output = RequestOutput(
+                output.request_id, earlier.new_token_ids + output.new_token_ids,
+                (earlier.new_logprobs or []) + (output.new_logprobs or []) or None, output.finish_reason,
+                output.num_prompt_tokens, output.num_output_tokens, output.error,
+                earlier.prompt_logprobs or output.prompt_logprobs,
             )
         joined[output.request_id] = output
-    return list(joined.values())
+    # Most often (a step's outputs) every request appears once: the list as it came.
+    return outputs if len(joined) == len(outputs) else list(joined.values())
