@@ -385,6 +385,7 @@ def request_output_from_proto(message: scheduler_pb2.RequestOutput) -> RequestOu
 
 
 def request_output_to_proto(output: RequestOutput, out: scheduler_pb2.RequestOutput) -> scheduler_pb2.RequestOutput:
+    """Fills `out`, a new message (as `outputs.add()` gives): fields at their defaults are left unset."""
     out.request_id = output.request_id
     out.new_token_ids.extend(output.new_token_ids)
     if output.new_logprobs:

@@ -198,7 +198,8 @@ static void attend_dot(const Args& a, const WorkItem& it) {
       V mx = splat(-__builtin_inff());
       for (int jj = 0; jj < TK; jj += W) {
         // The next tile's rows are asked for a key at a time, spread over this tile's first row, so that
-        // the misses overlap the arithmetic without flooding the miss buffers at once.
+        // the misses could overlap the arithmetic without flooding the miss buffers at once. (On the
+        // AVX2-only EPYC they measured within 5% of none: see docs/benchmarks.md.)
         if (r == 0 && more)
           for (int j = 0; j < W; j++)
             for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) {
