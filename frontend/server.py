@@ -17,7 +17,7 @@ import grpc
 
 from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
-from pagedserve.convert import FINISH_REASONS, request_output_from_proto, sampling_to_proto, token_to_proto
+from pagedserve.convert import FINISH_REASONS, sampling_to_proto, scheduler_update_from_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import join_outputs
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2
@@ -113,20 +113,24 @@ class SchedulerLink:
         try:
             for update in stream:
                 routes = []
+                outputs = scheduler_update_from_proto(update)
                 with self.lock:
-                    for output in update.outputs:
+                    for output in outputs:
                         entry = self.in_flight.get(output.request_id)
                         if entry is None:
                             continue
                         entry.output_token_ids.extend(output.new_token_ids)
-                        if output.finish_reason:
+                        if output.finish_reason is not None:
                             entry.done = True
                         routes.append((entry.inbox, output))
                 for inbox, output in routes:
-                    inbox.put(request_output_from_proto(output))
+                    inbox.put(output)
             return "the scheduler closed the stream"
         except grpc.RpcError as error:
             return f"lost the scheduler: {error.code().name}"
+        except ValueError as error:  # nothing of that update is trusted: the stream starts again
+            stream.cancel()
+            return f"the scheduler sent a malformed update ({error})"
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                cache_salt: str | None, inbox=None, priority: int = 0, new_call: bool = True):

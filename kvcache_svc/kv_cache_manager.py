@@ -379,7 +379,8 @@ class KVCacheManager:
             state.num_tokens = request.num_tokens
         if request.new_token_ids:
             state.token_ids[request.new_tokens_start:] = request.new_token_ids
-        self._note_full_blocks(request.request_id, state)
+        if min(state.num_tokens, len(state.token_ids)) // self.block_size > state.num_named:  # a block filled
+            self._note_full_blocks(request.request_id, state)
         self._computing[self._last_step_id].append((request.request_id, state, state.num_tokens))
         self._served_last.append(state)
         if state.num_blocks_sent == len(state.blocks):

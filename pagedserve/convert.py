@@ -16,6 +16,7 @@ from pagedserve.step import (
     PromptLogprobs,
     RequestOutput,
     SampledToken,
+    join_outputs,
 )
 from pagedserve.v1 import common_pb2, executor_pb2, kvcache_pb2, scheduler_pb2
 
@@ -373,7 +374,6 @@ def execute_result_from_proto(message: executor_pb2.ExecuteResult) -> ExecuteRes
 
 
 def request_output_from_proto(message: scheduler_pb2.RequestOutput) -> RequestOutput:
-    # Every token of every request comes through here: logprobs are looked at only when there are some.
     logprobs, prompt_logprobs = message.logprobs, message.prompt_logprobs
     return RequestOutput(
         message.request_id, list(message.new_token_ids),
@@ -401,3 +401,43 @@ def request_output_to_proto(output: RequestOutput, out: scheduler_pb2.RequestOut
         for token in output.prompt_logprobs:
             token_to_proto(token, out.prompt_logprobs.add())
     return out
+
+
+def scheduler_update_to_proto(outputs: list[RequestOutput]) -> scheduler_pb2.SchedulerUpdate:
+    """One update for the outputs of one or more steps, a request's joined into one. Every token of every
+    request comes through here: those that carry only tokens go as columns (TokenOutputs)."""
+    update = scheduler_pb2.SchedulerUpdate()
+    plain = []
+    for output in join_outputs(outputs):
+        if (output.finish_reason is None and output.new_logprobs is None and output.prompt_logprobs is None
+                and not output.error):
+            plain.append(output)
+        else:
+            request_output_to_proto(output, update.outputs.add())
+    if plain:
+        columns = update.tokens
+        columns.request_ids[:] = [o.request_id for o in plain]
+        columns.num_new_tokens[:] = [len(o.new_token_ids) for o in plain]
+        columns.new_token_ids[:] = [t for o in plain for t in o.new_token_ids]
+        columns.num_prompt_tokens[:] = [o.num_prompt_tokens for o in plain]
+        columns.num_output_tokens[:] = [o.num_output_tokens for o in plain]
+    return update
+
+
+def scheduler_update_from_proto(message: scheduler_pb2.SchedulerUpdate) -> list[RequestOutput]:
+    """Raises ValueError when the token columns do not line up."""
+    outputs = [request_output_from_proto(m) for m in message.outputs]
+    columns = message.tokens
+    ids, counts, tokens = columns.request_ids, list(columns.num_new_tokens), list(columns.new_token_ids)
+    if not len(ids) == len(counts) == len(columns.num_prompt_tokens) == len(columns.num_output_tokens):
+        raise ValueError(f"tokens: {len(ids)} request_ids, {len(counts)} num_new_tokens, "
+                         f"{len(columns.num_prompt_tokens)} num_prompt_tokens and {len(columns.num_output_tokens)} "
+                         "num_output_tokens must be as many")
+    if (counts and min(counts) < 0) or sum(counts) != len(tokens):
+        raise ValueError(f"tokens: num_new_tokens must count the {len(tokens)} new_token_ids")
+    at = 0
+    for request_id, count, num_prompt, num_output in zip(ids, counts, columns.num_prompt_tokens,
+                                                         columns.num_output_tokens):
+        outputs.append(RequestOutput(request_id, tokens[at:at + count], None, None, num_prompt, num_output))
+        at += count
+    return outputs

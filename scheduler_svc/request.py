@@ -19,7 +19,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
         "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
         "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival", "num_pending_samples",
-        "prompt_logprobs", "prompt_logprobs_sent", "executor_id",
+        "prompt_logprobs", "prompt_logprobs_sent", "executor_id", "num_tokens", "structured",
     )
 
     def __init__(
@@ -46,6 +46,9 @@ class Request:
         wanted = sampling_params.max_tokens
         self.max_output_tokens = room if wanted is None else min(wanted, room)
         self.output_token_ids: list[int] = list(output_token_ids)
+        # Prompt and outputs (kept, not counted: every step asks it of every running request several times).
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        self.structured = sampling_params.structured
         if self.output_token_ids and len(self.output_token_ids) >= self.max_output_tokens:
             raise ValueError(f"{len(self.output_token_ids)} output tokens already produced: the request has "
                              f"no room left (at most {self.max_output_tokens})")
@@ -68,17 +71,12 @@ class Request:
         self.num_tokens_sent_to_kv = 0  # the block manager knows this many of its tokens
         self.executor_id = ""  # running: the executor (address) it was admitted on
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
     def num_tokens_to_compute(self) -> int:
         """Tokens, known or pending, whose K/V is not computed or scheduled yet; none once a pending sample
         is its last token (max_tokens or the context length), nor while a grammar's sample is pending (the
         executor may defer it: its last token is then computed again, so no step may be planned on it)."""
         if self.num_pending_samples and (
-                self.sampling_params.structured
-                or len(self.output_token_ids) + self.num_pending_samples >= self.max_output_tokens):
+                self.structured or len(self.output_token_ids) + self.num_pending_samples >= self.max_output_tokens):
             return 0
         return self.num_tokens + self.num_pending_samples - self.num_computed_tokens
 
@@ -104,6 +102,7 @@ class Request:
     def append_token(self, token: SampledToken) -> None:
         """Adds a sampled token and decides whether the request has finished."""
         self.output_token_ids.append(token.token_id)
+        self.num_tokens += 1
         if self.sampling_params.logprobs is not None:
             self.output_logprobs.append(token)
         num_output = len(self.output_token_ids)

@@ -203,19 +203,22 @@ class Scheduler:
             s.request.executor_id = admitted_on[s.request.request_id]
             self._enqueue(self.running, s.request)
         preempted_ids = [request_id for blocks in answers.values() for request_id in blocks.preempted_request_ids]
-        preempted = set(preempted_ids)
         for request_id in preempted_ids:
             self._preempt(self.requests[request_id])
         # Each executor drops the state of requests that ended, whichever it held (an unknown id is ignored).
         executor_frees += preempted_ids
-        scheduled = [s for s in running if s.num_new_tokens > 0 and s.request.request_id not in preempted]
-        rows = ([(s, answers[s.request.executor_id], False) for s in scheduled]
-                + [(s, answers[s.request.executor_id], True) for s in admitted])
-        requests = [self._execute_request(s, blocks, admitted=is_admitted) for s, blocks, is_admitted in rows]
-        self.planned_requests[step_id] = [s.request for s, _, _ in rows]
+        preempted = set(preempted_ids)
+        scheduled = [s for s in running if s.num_new_tokens > 0 and s.request.request_id not in preempted] \
+            if preempted else [s for s in running if s.num_new_tokens > 0]
+        requests = [self._running_row(s, answers[s.request.executor_id]) for s in scheduled]
+        requests += [self._admitted_row(s, answers[s.request.executor_id]) for s in admitted]
+        planned = [s.request for s in scheduled]
+        planned += [s.request for s in admitted]
+        self.planned_requests[step_id] = planned
         parts = [
             ExecuteStep(
-                requests=[r for r, (s, _, _) in zip(requests, rows) if s.request.executor_id == address],
+                requests=requests if len(answers) == 1 else
+                [row for row, request in zip(requests, planned) if request.executor_id == address],
                 finished_request_ids=executor_frees, executor_epoch=blocks.executor_epoch or self.executor_epoch,
                 scheduler_id=self.scheduler_id, save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
                 step_id=step_id, swap_out=blocks.swap_out, swap_free=blocks.swap_free, executor_id=address,
@@ -233,20 +236,23 @@ class Scheduler:
         self.executed_step_ids.append(step.step_id)
         outputs = []
         sampled, rejected, deferred = result.sampled, result.rejected, set(result.deferred)
+        prompt_logprobs, suspects = result.prompt_logprobs, self.suspects
+        # Every running request comes through here every step: the rare cases are looked at only when present.
         for executed, request in zip(step.requests, self.planned_requests.pop(step.step_id)):
-            self.suspects.discard(request.request_id)
+            if suspects:
+                suspects.discard(request.request_id)
             if request.status is RequestStatus.FINISHED:
                 continue
             if executed.sample:
                 request.num_pending_samples -= 1
-            if request.request_id in rejected:
+            if rejected and request.request_id in rejected:
                 self.failed_request_ids.append(request.request_id)
                 outputs.append(self._end(request, "error", rejected[request.request_id]))
                 continue
-            run = result.prompt_logprobs.get(request.request_id)
+            run = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
             if run is not None:
                 request.add_prompt_logprobs(run)
-            if request.request_id in deferred:
+            if deferred and request.request_id in deferred:
                 # Not sampled (its grammar is still compiling): its last token is computed again, and sampled,
                 # in a later step. (No step was planned on it meanwhile: see Request.num_tokens_to_compute; a
                 # request preempted since recomputes it anyway.)
@@ -355,34 +361,45 @@ class Scheduler:
             prompt_token_ids=request.token_ids(0, request.num_tokens), cache_salt=salt,
         )
 
-    def _execute_request(self, s: _Scheduled, blocks: BlockStepResult, admitted: bool) -> ExecuteRequest:
-        """The request's row of the step (every running request, every step: kept lean)."""
+    @staticmethod
+    def _running_row(s: _Scheduled, blocks: BlockStepResult) -> ExecuteRequest:
+        """A running request's row of the step (every one, every step: kept lean)."""
         request = s.request
-        request_id, known = request.request_id, request.num_tokens
-        loads = []
-        if admitted:
-            loads = blocks.tier_loads.get(request_id, [])
-            # The block manager found this many leading tokens computed already (in the pool, or in the
-            # offload tier for the last len(loads) blocks of them): the step starts after them.
-            request.num_computed_tokens = blocks.num_cached_tokens.get(request_id, 0)
-            request.num_tokens_sent_to_kv = known
-        last = known + request.num_pending_samples  # (waiting requests have no sample pending)
-        end = min(request.num_computed_tokens + s.num_new_tokens, last)
-        # Tokens of blocks to load travel too, so that the executor can compute them if a load fails.
-        start = request.num_computed_tokens - num_loaded_tokens(loads, self.config.block_size)
+        known, start = request.num_tokens, request.num_computed_tokens
+        last = known + request.num_pending_samples
+        end = min(start + s.num_new_tokens, last)
         request.num_computed_tokens = end
         sample = end == last
         if sample:
             request.num_pending_samples += 1
         token_ids = request.token_ids(start, min(end, known)) if start < known else []
-        new_block_ids = blocks.new_block_ids.get(request_id, [])
-        if not admitted:
-            return ExecuteRequest(request_id, token_ids, start, new_block_ids, sample, feed_sampled=end > known,
-                                  prompt_logprobs=request.wants_prompt_logprobs)
-        # The executor (re)creates its state for a request it sees for the first time since admission.
+        return ExecuteRequest(request.request_id, token_ids, start, blocks.new_block_ids.get(request.request_id, []),
+                              sample, feed_sampled=end > known,
+                              prompt_logprobs=request.sampling_params.prompt_logprobs is not None
+                              and request.wants_prompt_logprobs)
+
+    def _admitted_row(self, s: _Scheduled, blocks: BlockStepResult) -> ExecuteRequest:
+        """An admitted request's row: the executor (re)creates its state, which it sees for the first time since
+        admission."""
+        request = s.request
+        request_id, known = request.request_id, request.num_tokens
+        loads = blocks.tier_loads.get(request_id, [])
+        # The block manager found this many leading tokens computed already (in the pool, or in the offload
+        # tier for the last len(loads) blocks of them): the step starts after them.
+        computed = blocks.num_cached_tokens.get(request_id, 0)
+        request.num_tokens_sent_to_kv = known
+        last = known + request.num_pending_samples  # (waiting requests have no sample pending)
+        end = min(computed + s.num_new_tokens, last)
+        # Tokens of blocks to load travel too, so that the executor can compute them if a load fails.
+        start = computed - num_loaded_tokens(loads, self.config.block_size) if loads else computed
+        request.num_computed_tokens = end
+        sample = end == last
+        if sample:
+            request.num_pending_samples += 1
         params = request.sampling_params
         return ExecuteRequest(
-            request_id, token_ids, start, new_block_ids, sample, params, len(request.prompt_token_ids), loads,
+            request_id, request.token_ids(start, min(end, known)) if start < known else [], start,
+            blocks.new_block_ids.get(request_id, []), sample, params, len(request.prompt_token_ids), loads,
             prefix_token_ids=request.token_ids(0, start) if params.needs_token_history else [],
             prompt_logprobs=request.wants_prompt_logprobs,
         )

@@ -21,8 +21,8 @@ from pagedserve.convert import (
     block_step_results_from_proto,
     execute_result_from_proto,
     execute_step_to_proto,
-    request_output_to_proto,
     sampling_from_proto,
+    scheduler_update_to_proto,
 )
 from pagedserve.step import (
     BlockStepRequest,
@@ -30,7 +30,6 @@ from pagedserve.step import (
     ExecuteResult,
     ExecuteStep,
     RequestOutput,
-    join_outputs,
     merge_results,
 )
 from pagedserve.v1 import executor_pb2, kvcache_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -262,7 +261,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     break
                 closed = more is None
                 outputs += more or []
-            yield _update(outputs)
+            yield scheduler_update_to_proto(outputs)
             if closed:
                 return
 
@@ -322,17 +321,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         """Hands each frontend its requests' outputs (its stream converts and sends them)."""
-        by_connection: dict[int, tuple[_Connection, list[RequestOutput]]] = {}
+        by_connection: dict[_Connection, list[RequestOutput]] = {}
         with self.owners_lock:
             for output in self.stream_interval.release(outputs):
                 connection = self.owners.get(output.request_id)
                 if connection is None:
                     continue
-                if output.finished:
+                if output.finish_reason is not None:
                     del self.owners[output.request_id]
                     connection.request_ids.discard(output.request_id)
-                by_connection.setdefault(id(connection), (connection, []))[1].append(output)
-        for connection, items in by_connection.values():
+                items = by_connection.get(connection)
+                if items is None:
+                    items = by_connection[connection] = []
+                items.append(output)
+        for connection, items in by_connection.items():
             connection.outbox.put(items)
 
     def GetStats(self, request, context):
@@ -346,10 +348,3 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def GetInfo(self, request, context):
         return self.info
 
-
-def _update(outputs: list[RequestOutput]) -> scheduler_pb2.SchedulerUpdate:
-    """One update for the outputs of one or more steps (a request's joined into one)."""
-    update = scheduler_pb2.SchedulerUpdate()
-    for output in join_outputs(outputs):
-        request_output_to_proto(output, update.outputs.add())
-    return update

@@ -56,11 +56,27 @@ class RequestOutput(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class TokenOutputs(_message.Message):
+    __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_prompt_tokens", "num_output_tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[_Iterable[int]] = ..., num_output_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SchedulerUpdate(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "tokens")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...
+    tokens: TokenOutputs
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., tokens: _Optional[_Union[TokenOutputs, _Mapping]] = ...) -> None: ...
 
 class SchedulerStatsRequest(_message.Message):
     __slots__ = ()

@@ -18,6 +18,7 @@ from pagedserve.step import (
     PromptLogprobs,
     RequestOutput,
     SampledToken,
+    join_outputs,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +163,36 @@ def test_request_output_round_trip():
                            num_output_tokens=1, prompt_logprobs=[SampledToken(2, -1.0, [], []), SampledToken(4, -2.0, [], [])])
     message = convert.request_output_to_proto(output, scheduler_pb2.RequestOutput())
     assert convert.request_output_from_proto(message) == output
+
+
+def test_scheduler_update_sends_plain_token_outputs_as_columns_and_joins_steps():
+    outputs = [
+        RequestOutput("a", [5], num_prompt_tokens=3, num_output_tokens=1),
+        RequestOutput("b", [7], [SampledToken(7, -0.25, [7], [-0.25])], num_prompt_tokens=2, num_output_tokens=4),
+        RequestOutput("c", [], finish_reason="error", error="bad block id"),
+        RequestOutput("a", [6], num_prompt_tokens=3, num_output_tokens=2),
+        RequestOutput("d", [9, 10], num_prompt_tokens=8, num_output_tokens=2),
+        RequestOutput("e", [11], finish_reason="stop", num_prompt_tokens=1, num_output_tokens=3),
+    ]
+    message = convert.scheduler_update_to_proto(outputs)
+    assert list(message.tokens.request_ids) == ["a", "d"]
+    assert list(message.tokens.new_token_ids) == [5, 6, 9, 10]
+    assert [m.request_id for m in message.outputs] == ["b", "c", "e"]
+    decoded = convert.scheduler_update_from_proto(type(message).FromString(message.SerializeToString()))
+    by_id = {output.request_id: output for output in decoded}
+    assert len(decoded) == 5
+    assert by_id == {output.request_id: output for output in join_outputs(outputs)}
+
+
+def test_token_columns_that_do_not_line_up_are_refused_naming_the_field():
+    import pytest
+
+    for field, value in (("num_new_tokens", [1, 1]), ("num_output_tokens", []), ("new_token_ids", [5, 6, 7])):
+        message = convert.scheduler_update_to_proto([RequestOutput("a", [5, 6], num_prompt_tokens=3,
+                                                                   num_output_tokens=2)])
+        getattr(message.tokens, field)[:] = value
+        with pytest.raises(ValueError, match="num_new_tokens" if field == "new_token_ids" else field):
+            convert.scheduler_update_from_proto(message)
 
 
 def test_default_sampling_fields_take_vllm_defaults():
