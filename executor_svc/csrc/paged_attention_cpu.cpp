@@ -53,6 +53,7 @@ struct WorkItem {
 namespace isa_avx512 {
 constexpr int W = 16;
 constexpr int ROWS_KEY_CHUNK = 8;  // ROW_VECS x 8 score accumulators of the 32 vector registers
+constexpr int DOT_ROW_BLOCK = 4;   // query rows a dot-product step serves at once (see dot_tile)
 #include "paged_attention_impl.h"
 }  // namespace isa_avx512
 #pragma GCC pop_options
@@ -62,6 +63,7 @@ constexpr int ROWS_KEY_CHUNK = 8;  // ROW_VECS x 8 score accumulators of the 32 
 namespace isa_avx2 {
 constexpr int W = 8;
 constexpr int ROWS_KEY_CHUNK = 4;  // 16 vector registers: more accumulators would spill
+constexpr int DOT_ROW_BLOCK = 3;
 #include "paged_attention_impl.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -70,6 +72,7 @@ constexpr int ROWS_KEY_CHUNK = 4;  // 16 vector registers: more accumulators wou
 namespace isa_baseline {
 constexpr int W = 4;  // 128-bit vectors: SSE2 on x86-64, NEON on arm64
 constexpr int ROWS_KEY_CHUNK = 4;
+constexpr int DOT_ROW_BLOCK = 3;
 #include "paged_attention_impl.h"
 }  // namespace isa_baseline
 

@@ -1,6 +1,7 @@
 // One instruction set's paged-attention code. paged_attention_cpu.cpp includes this file three times, each
-// inside its own namespace and `#pragma GCC target` region, with W (floats per vector) and ROWS_KEY_CHUNK
-// (keys per step of the row-vector path, as many as the registers hold) defined: AVX-512
+// inside its own namespace and `#pragma GCC target` region, with W (floats per vector), ROWS_KEY_CHUNK
+// (keys per step of the row-vector path, as many as the registers hold) and DOT_ROW_BLOCK (query rows per
+// step of the dot-product path, 1 to 4) defined: AVX-512
 // (W = 16), AVX2 + FMA (W = 8) and the baseline ISA (W = 4). It uses GCC vector extensions and builtins only, and nothing from a header, so that no code from a
 // standard template gets compiled for a wider ISA than the one it is called on.
 //
@@ -152,13 +153,112 @@ static inline void float_rows(const T* const* src, int count, int D, float* buf,
 // The online softmax works a tile of KEY_TILE keys at a time: the running max, the rescale of the
 // accumulators and their loads and stores are paid once a tile rather than once every few keys.
 static_assert(KEY_TILE % W == 0 && KEY_TILE % ROWS_KEY_CHUNK == 0, "a tile is whole vectors and chunks");
-// Output accumulators the dot-product path keeps in registers while it walks a tile's values: a slice of
-// PV_VECS vectors of head_dim at a time (all of head_dim 64 on AVX2, with room left for the operands).
-constexpr int PV_VECS = 8;
+// Keys whose scores one step of the dot-product path sums at once, per row, and output vectors it
+// accumulates at once, per row: with NR rows (a block of query heads sharing the KV head), NR x KB score
+// and NR x PV_VECS output accumulators, plus NR operands, fill the 16 registers of AVX2 at NR = 3.
+template <int NR>
+constexpr int dot_keys() { return NR == 1 ? W : 4; }
+template <int NR>
+constexpr int pv_vecs() { return NR == 1 ? 8 : 4; }
+
+// Lane j (j < KB) of the result is the horizontal sum of p[j] (p is consumed).
+template <int KB>
+static inline V sum_keys(V* p) {
+  static_assert(KB <= W, "at most a vector's lanes of keys");
+  for (int n = KB; n > 1; n /= 2)
+    for (int i = 0; i < n / 2; i++) p[i] = pair_sum(p[2 * i], p[2 * i + 1]);
+  V s = p[0];
+  for (int n = KB; n < W; n *= 2) s = pair_sum(s, s);
+  return s;
+}
+
+// One tile of keys for NR query rows at once (qs, acc, m, l and pos point at the block's first row): each
+// K and V vector is loaded once for all of them, and their NR softmax chains and accumulator chains are
+// independent, so that neither the loads nor one row's latency bound the tile. The next tile's rows are
+// prefetched (into L2), a key group at a time, when `prefetch`.
+template <typename T, int HEAD_DIM, int NR>
+static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DIM], float (*acc)[MAX_HEAD_DIM],
+                            float* m, float* l, const int* pos, const T* const* kp, const T* const* vp,
+                            const T* const* next_kp, const T* const* next_vp, bool prefetch) {
+  constexpr int TK = KEY_TILE, KB = dot_keys<NR>(), PV = pv_vecs<NR>();
+  static_assert(TK % KB == 0, "a tile is whole key groups");
+  alignas(64) float pw[NR][TK + W];  // a tile's scores, then its softmax weights (a group's store may spill over)
+  for (int jj = 0; jj < TK; jj += KB) {
+    if (prefetch)
+      for (int j = jj; j < jj + KB; j++)
+        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) {
+          __builtin_prefetch((const char*)next_kp[j] + byte, 0, 2);
+          __builtin_prefetch((const char*)next_vp[j] + byte, 0, 2);
+        }
+    V dots[NR][KB];
+    for (int r = 0; r < NR; r++)
+      for (int j = 0; j < KB; j++) dots[r][j] = V{};
+    for (int d = 0; d < D; d += W) {
+      V qv[NR];
+      for (int r = 0; r < NR; r++) qv[r] = load(&qs[r][d]);
+      for (int j = 0; j < KB; j++) {
+        const V k = load(kp[jj + j] + d);
+        for (int r = 0; r < NR; r++) dots[r][j] += qv[r] * k;
+      }
+    }
+    V key_pos = splat((float)(j0 + jj));
+    for (int j = 0; j < W; j++) key_pos[j] += (float)j;
+    for (int r = 0; r < NR; r++) {
+      V scores = sum_keys<KB>(dots[r]);
+      store(&pw[r][jj], key_pos > splat((float)pos[r]) ? splat(-__builtin_inff()) : scores);
+    }
+  }
+  // The rows' softmax steps interleaved, their chains independent. Only a tile with keys past some row's
+  // position holds -inf scores to zero; a running max that did not move rescales nothing.
+  const bool masked = j0 + TK - 1 > pos[0];  // (a block's rows are in position order)
+  float m_new[NR], alpha[NR];
+  for (int r = 0; r < NR; r++) {
+    V mx = load(&pw[r][0]);
+    for (int jj = W; jj < TK; jj += W) mx = vmax(mx, load(&pw[r][jj]));
+    const float tile_max = hmax(mx);
+    m_new[r] = tile_max > m[r] ? tile_max : m[r];
+    alpha[r] = m_new[r] == m[r] ? 1.f : vexp(splat(m[r] - m_new[r]))[0];
+  }
+  V sum[NR];
+  for (int r = 0; r < NR; r++) sum[r] = V{};
+  for (int jj = 0; jj < TK; jj += W)
+    for (int r = 0; r < NR; r++) {
+      V scores = load(&pw[r][jj]);
+      V p = vexp(scores - m_new[r]);
+      if (masked) p = scores == splat(-__builtin_inff()) ? V{} : p;
+      sum[r] += p;
+      store(&pw[r][jj], p);
+    }
+  for (int r = 0; r < NR; r++) {
+    l[r] = l[r] * alpha[r] + hsum(sum[r]);
+    m[r] = m_new[r];
+  }
+  for (int d0 = 0; d0 < D; d0 += PV * W) {
+    const int nv = (D - d0) / W < PV ? (D - d0) / W : PV;
+    V o[NR][PV];
+    for (int r = 0; r < NR; r++)
+      for (int v = 0; v < PV; v++)
+        if (v < nv) o[r][v] = load(&acc[r][d0 + v * W]) * alpha[r];
+    for (int j = 0; j < nk; j++) {
+      V w[NR];
+      for (int r = 0; r < NR; r++) w[r] = splat(pw[r][j]);
+      const T* vr = vp[j] + d0;
+      for (int v = 0; v < PV; v++)
+        if (v < nv) {
+          const V x = load(vr + v * W);
+          for (int r = 0; r < NR; r++) o[r][v] += w[r] * x;
+        }
+    }
+    for (int r = 0; r < NR; r++)
+      for (int v = 0; v < PV; v++)
+        if (v < nv) store(&acc[r][d0 + v * W], o[r][v]);
+  }
+}
 
 // Few query rows (decodes: one query, the G heads of a KV head): scores are dot products along head_dim,
-// W keys at a time summed across lanes into one vector; decode is bound by reading K/V, so the next tile's
-// rows are prefetched (into L2) while this one computes.
+// summed across lanes. The rows go through each tile in blocks of up to DOT_ROW_BLOCK (dot_tile), so a
+// decode's G query heads share every load of the KV head's keys and values; decode is bound by reading
+// K/V.
 template <typename T, int HEAD_DIM>
 static void attend_dot(const Args& a, const WorkItem& it) {
   constexpr int TK = KEY_TILE;
@@ -167,7 +267,6 @@ static void attend_dot(const Args& a, const WorkItem& it) {
   const T* q = (const T*)a.query;
   alignas(64) float qs[MAX_DOT_ROWS][MAX_HEAD_DIM];
   alignas(64) float acc[MAX_DOT_ROWS][MAX_HEAD_DIM];
-  alignas(64) float pw[MAX_DOT_ROWS][TK];  // a tile's scores, then its softmax weights
   float m[MAX_DOT_ROWS], l[MAX_DOT_ROWS];
   int pos[MAX_DOT_ROWS];
   const int rows = it.rows;
@@ -180,6 +279,8 @@ static void attend_dot(const Args& a, const WorkItem& it) {
     l[r] = 0.f;
     pos[r] = first_pos + row / G;
   }
+  // Blocks as even as the block size allows (7 rows: 3, 2, 2).
+  const int num_blocks = (rows + DOT_ROW_BLOCK - 1) / DOT_ROW_BLOCK;
   const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
   const T* kp[TK];
   const T* vp[TK];
@@ -194,59 +295,24 @@ static void attend_dot(const Args& a, const WorkItem& it) {
     const int nk = key_end - j0 < TK ? key_end - j0 : TK;  // keys from nk on read the row of zeros
     const bool more = j0 + TK < key_end;
     if (more) chunk_rows(a, s, h, j0 + TK, TK, key_end, next_kp, next_vp);
-    for (int r = 0; r < rows; r++) {
-      V mx = splat(-__builtin_inff());
-      for (int jj = 0; jj < TK; jj += W) {
-        // The next tile's rows are asked for a key at a time, spread over this tile's first row, so that
-        // the misses could overlap the arithmetic without flooding the miss buffers at once. (On the
-        // AVX2-only EPYC they measured within 5% of none: see docs/benchmarks.md.)
-        if (r == 0 && more)
-          for (int j = 0; j < W; j++)
-            for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) {
-              __builtin_prefetch((const char*)next_kp[jj + j] + byte, 0, 2);
-              __builtin_prefetch((const char*)next_vp[jj + j] + byte, 0, 2);
-            }
-        // head_dim outermost: each step feeds all W keys' sums, W independent chains.
-        V dots[W];
-        for (int j = 0; j < W; j++) dots[j] = V{};
-        for (int d = 0; d < D; d += W) {
-          const V qv = load(&qs[r][d]);
-          for (int j = 0; j < W; j++) dots[j] += qv * load(kp[jj + j] + d);
-        }
-        V scores = transpose_sum(dots);
-        V key_pos = splat((float)(j0 + jj));
-        for (int j = 0; j < W; j++) key_pos[j] += (float)j;
-        scores = key_pos > splat((float)pos[r]) ? splat(-__builtin_inff()) : scores;
-        mx = vmax(mx, scores);
-        store(&pw[r][jj], scores);
+    for (int b = 0, r0 = 0; b < num_blocks; b++) {
+      const int nr = (rows - r0) / (num_blocks - b) + ((rows - r0) % (num_blocks - b) != 0);
+      const bool prefetch = more && b == 0;
+      switch (nr) {
+        case 1:
+          dot_tile<T, HEAD_DIM, 1>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, next_kp, next_vp, prefetch);
+          break;
+        case 2:
+          dot_tile<T, HEAD_DIM, 2>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, next_kp, next_vp, prefetch);
+          break;
+        case 3:
+          dot_tile<T, HEAD_DIM, 3>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, next_kp, next_vp, prefetch);
+          break;
+        default:
+          if constexpr (DOT_ROW_BLOCK >= 4)
+            dot_tile<T, HEAD_DIM, 4>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, next_kp, next_vp, prefetch);
       }
-      const float m_new = hmax(mx) > m[r] ? hmax(mx) : m[r];
-      const float alpha = vexp(splat(m[r] - m_new))[0];
-      V sum = V{};
-      for (int jj = 0; jj < TK; jj += W) {
-        V scores = load(&pw[r][jj]);
-        V p = vexp(scores - m_new);
-        p = scores == splat(-__builtin_inff()) ? V{} : p;
-        sum += p;
-        store(&pw[r][jj], p);
-      }
-      l[r] = l[r] * alpha + hsum(sum);
-      m[r] = m_new;
-      // Every accumulator of the slice is a chain of its own: one FMA per key each, all independent.
-      for (int d0 = 0; d0 < D; d0 += PV_VECS * W) {
-        const int nv = (D - d0) / W < PV_VECS ? (D - d0) / W : PV_VECS;
-        V o[PV_VECS];
-        for (int v = 0; v < PV_VECS; v++)
-          if (v < nv) o[v] = load(&acc[r][d0 + v * W]) * alpha;
-        for (int j = 0; j < nk; j++) {
-          const V w = splat(pw[r][j]);
-          const T* vr = vp[j] + d0;
-          for (int v = 0; v < PV_VECS; v++)
-            if (v < nv) o[v] += w * load(vr + v * W);
-        }
-        for (int v = 0; v < PV_VECS; v++)
-          if (v < nv) store(&acc[r][d0 + v * W], o[v]);
-      }
+      r0 += nr;
     }
   }
   T* out = (T*)a.out;
