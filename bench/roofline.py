@@ -1,6 +1,6 @@
 """Decode against its roofline on the CPU: decode tokens/s of the executor with N running requests (contexts
 256-512) vs the model's linear layers alone (every projection and the LM head, pure GEMM) at batch N, same
-model, dtype and threads, side by side in one run. Writes bench/results/roofline.json, `decode_vs_gemm`.
+model, dtype and threads, side by side in one run (the linear layers timed between the decode steps). Writes bench/results/roofline.json, `decode_vs_gemm`.
 
     python bench/roofline.py [--dtype float32] [--num-requests 64] [--decode-steps 32]
 """
@@ -11,6 +11,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ def prefill_all(runner: ModelRunner, prompts: list[list[int]], blocks: dict, bud
     return last
 
 
-def decode_tok_per_s(runner: ModelRunner, prompts, steps: int, budget: int) -> float:
+def decode_tok_per_s(runner: ModelRunner, prompts, steps: int, budget: int,
+                     after_step: Callable[[], None] = lambda: None) -> float:
+    """Median decode tokens/s over `steps` steps of every prompt; after_step runs after each (untimed)."""
     bs = runner.block_size
     free = list(range(runner.num_blocks))
     random.Random(0).shuffle(free)  # a shuffled pool, as a long-running server's is
@@ -64,6 +67,7 @@ def decode_tok_per_s(runner: ModelRunner, prompts, steps: int, budget: int) -> f
         last = {r: t.token_id for r, t in result.sampled.items()}
         for r in positions:
             positions[r] += 1
+        after_step()
     return len(prompts) / statistics.median(times)
 
 
@@ -93,8 +97,12 @@ def main() -> None:
     # Contexts stay within 256..512 through the decode steps.
     prompts = [[rng.randrange(runner.config.vocab_size) for _ in range(rng.randint(256, 512 - args.decode_steps))]
                for _ in range(args.num_requests)]
-    decode = decode_tok_per_s(runner, prompts, args.decode_steps, args.max_num_batched_tokens)
-    gemm = gemm_tok_per_s(runner, args.num_requests, args.decode_steps)
+    # The linear layers are timed between the decode steps, so that both medians come from the same minutes of
+    # a machine whose speed drifts.
+    batch, gemm_seconds = args.num_requests, []
+    decode = decode_tok_per_s(runner, prompts, args.decode_steps, args.max_num_batched_tokens, after_step=lambda:
+                              gemm_seconds.append(linear_layers_seconds(runner.model, batch, batch)))
+    gemm = batch / statistics.median(gemm_seconds)
     ratios = {"decode_vs_gemm": decode / gemm}
     metrics = {"decode_tok_per_s": decode, "gemm_tok_per_s": gemm, "num_requests": args.num_requests,
                "decode_steps": args.decode_steps, "dtype": runner.model_config.dtype, "context": [256, 512],

@@ -121,8 +121,11 @@ class ModelRunner:
         self.attention = backend_cls(
             self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.config.head_dim**-0.5
         )
+        # The CPU kernels' extension fuses the decoder's elementwise steps too; with the torch backend the model
+        # keeps torch's operators, the reference.
+        fused_ops = self.attention.ops if self.attention_backend_name == "cpu" else None
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.config, self.attention)
+            self.model = LlamaForCausalLM(self.config, self.attention, fused_ops)
         self.model.load_weights(iterate_weights(self.model_dir))
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # RoPE tables stay float32, as transformers keeps them

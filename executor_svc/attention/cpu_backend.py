@@ -1,5 +1,6 @@
 """Paged attention on the CPU with the C++ kernels of executor_svc/csrc: K/V are read through the block
-tables in place (no gathered copy), and the step's K/V go into the cache through the same extension.
+tables in place (no gathered copy), and the step's K/V go into the cache through the same extension, which
+also fuses the decoder's RMSNorm and rotary embedding (fused_cpu.cpp, used by executor_svc/models).
 
 The extension is compiled by torch's cpp_extension on first use (g++ and ninja) and cached under torch's
 extensions directory (TORCH_EXTENSIONS_DIR), keyed by the sources; later starts only load it. The kernels
@@ -18,7 +19,7 @@ import torch
 from executor_svc.attention.layout import BatchLayout
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp",)
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "fused_cpu.cpp")
 DEPENDS = (CSRC / "paged_attention_impl.h",)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256

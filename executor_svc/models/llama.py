@@ -4,7 +4,9 @@ Every token of a step, from every request, prefill chunks and decodes alike, is 
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told
 apart, through the attention metadata. q/k/v and gate/up projections are fused into one matmul each.
 The arithmetic follows transformers' LlamaModel step for step (norms in float32, RoPE tables in float32
-cast to the model dtype) so that float32 logits agree to rounding.
+cast to the model dtype) so that float32 logits agree to rounding. Given the CPU extension's fused ops
+(executor_svc/csrc/fused_cpu.cpp), a float32 model runs each RMSNorm and each layer's rotary embedding as
+one of them rather than as a dozen small torch operators, the same arithmetic in the same order.
 """
 from __future__ import annotations
 
@@ -18,13 +20,18 @@ from executor_svc.model_config import ModelArchitecture
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, fused_ops=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused_ops = fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.fused_ops is not None and dtype == torch.float32:
+            out = torch.empty_like(x)
+            self.fused_ops.rms_norm(out, x, self.weight, self.eps)
+            return out
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -51,8 +58,9 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArchitecture, attention_backend) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None) -> None:
         super().__init__()
+        self.fused_ops = fused_ops
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -65,12 +73,12 @@ class Attention(nn.Module):
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = _apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = _apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        out = self.backend.forward(
-            q.reshape(num_tokens, self.q_size), k.reshape(num_tokens, self.kv_size), v,
-            kv_cache[0], kv_cache[1], meta,
-        )
+        if self.fused_ops is not None and q.dtype == torch.float32:
+            self.fused_ops.rotary(q, k, cos, sin, self.head_dim)  # in place, in the projection's output
+        else:
+            q = _apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
+            k = _apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out)
 
 
@@ -87,11 +95,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchitecture, attention_backend) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, attention_backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+        self.self_attn = Attention(config, attention_backend, fused_ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.mlp = MLP(config)
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
@@ -100,12 +108,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelArchitecture, attention_backend) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None) -> None:
+        """fused_ops: the CPU extension's ops (torch.ops.pagedserve_cpu) for the elementwise steps, or None."""
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention_backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, attention_backend, fused_ops)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False

@@ -1,0 +1,98 @@
+// The decoder's elementwise steps that torch runs as many small operators (RMSNorm: six, rotary embedding of
+// q and k: ten), each as one pass over the rows, float32 only. The arithmetic is transformers' in the same
+// order, so that results differ from torch's by the rounding of the sum of squares at most; no contraction
+// into fused multiply-adds, which would round differently.
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// Rows per task: a decode step's few rows stay on one thread, where waking the others would cost more.
+constexpr int64_t ELEMENTS_PER_TASK = 1 << 15;
+
+int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, ELEMENTS_PER_TASK / std::max<int64_t>(row_elements, 1)); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.scalar_type() == at::kFloat, name,
+              " is [T, N] float32 with contiguous rows");
+}
+
+// out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)), as LlamaRMSNorm computes it in float32.
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(out.size(0) == T && out.size(1) == H, "out has x's shape");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "weight is [N] float32");
+  const float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  const float epsf = (float)eps;
+  at::parallel_for(0, T, grain(H), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const float* xr = xp + t * xs;
+      float* o = op + t * os;
+      float partial[8] = {};  // eight running sums: the loop vectorises and its chains overlap
+      int64_t i = 0;
+      for (; i + 8 <= H; i += 8)
+        for (int j = 0; j < 8; j++) partial[j] += xr[i + j] * xr[i + j];
+      float sum = 0.f;
+      for (int j = 0; j < 8; j++) sum += partial[j];
+      for (; i < H; i++) sum += xr[i] * xr[i];
+      const float r = 1.f / std::sqrt(sum / (float)H + epsf);
+      for (int64_t k = 0; k < H; k++) o[k] = w[k] * (xr[k] * r);
+    }
+  });
+}
+
+// In place on q [T, Hq * D] and k [T, Hk * D]: each head's x becomes x * cos + rotate_half(x) * sin, with
+// rotate_half(x) = (-x[D/2:], x[:D/2]) and cos, sin the [T, D] rows of the tokens' positions.
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  const int64_t T = q.size(0), D = head_dim, half = D / 2;
+  TORCH_CHECK(D > 0 && D % 2 == 0 && q.size(1) % D == 0 && k.size(1) % D == 0 && k.size(0) == T,
+              "q and k are [T, heads * head_dim] with an even head_dim");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->is_contiguous() && t->numel() == T * D && t->scalar_type() == at::kFloat, "cos and sin are [T, head_dim] float32");
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t hq = q.size(1) / D, hk = k.size(1) / D;
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const int64_t qs = q.stride(0), ks = k.stride(0);
+  at::parallel_for(0, T, grain((hq + hk) * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const float* c = cp + t * D;
+      const float* s = sp + t * D;
+      for (int64_t h = 0; h < hq + hk; h++) {
+        float* x = h < hq ? qp + t * qs + h * D : kp + t * ks + (h - hq) * D;
+        for (int64_t i = 0; i < half; i++) {
+          const float a = x[i], b = x[i + half];
+          x[i] = a * c[i] + (-b) * s[i];
+          x[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("rotary", rotary);
+}

@@ -1,0 +1,62 @@
+"""The CPU extension's fused elementwise ops (executor_svc/csrc/fused_cpu.cpp) against the torch operators they
+replace in the model: the rotary embedding bit for bit, RMSNorm to the rounding of its sum of squares, on
+strided rows, odd widths and batches of one to a prefill chunk."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.attention.cpu_backend import load_extension
+from executor_svc.models.llama import RMSNorm, _apply_rotary
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return load_extension()
+
+
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim", [(1, 9, 3, 64), (37, 4, 1, 128), (300, 6, 6, 16)])
+def test_rotary_equals_torch_bit_for_bit_in_place_in_the_projection_output(ops, num_tokens, num_heads,
+                                                                            num_kv_heads, head_dim):
+    torch.manual_seed(num_tokens)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size)
+    table = torch.randn(num_tokens, 1, head_dim), torch.randn(num_tokens, 1, head_dim)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    expected_q = _apply_rotary(q.view(num_tokens, num_heads, head_dim), *table).reshape(num_tokens, -1)
+    expected_k = _apply_rotary(k.view(num_tokens, num_kv_heads, head_dim), *table).reshape(num_tokens, -1)
+    v_before = v.clone()
+    ops.rotary(q, k, *table, head_dim)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(v, v_before)  # the rest of the row is left alone
+
+
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (64, 576), (2048, 576), (5, 100), (3, 7)])
+def test_rms_norm_matches_torch_to_rounding(ops, num_tokens, hidden):
+    torch.manual_seed(hidden)
+    x = torch.randn(num_tokens, hidden + 3)[:, :hidden] * 4  # strided rows
+    reference, fused = RMSNorm(hidden, 1e-5), RMSNorm(hidden, 1e-5, ops)
+    with torch.no_grad():
+        reference.weight.normal_()
+        fused.weight.copy_(reference.weight)
+        expected, got = reference(x), fused(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_leaves_other_dtypes_to_torch(ops):
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    reference, fused = RMSNorm(64, 1e-6).to(torch.bfloat16), RMSNorm(64, 1e-6, ops).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(reference(x), fused(x))
+
+
+def test_fused_ops_refuse_what_they_cannot_read(ops):
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.rms_norm(torch.empty(2, 8), torch.ones(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(torch.empty(2, 8), torch.ones(2, 8), torch.ones(9), 1e-6)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.rotary(torch.ones(2, 12), torch.ones(2, 12), torch.ones(2, 5), torch.ones(2, 5), 5)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        ops.rotary(torch.ones(2, 16), torch.ones(2, 8), torch.ones(2, 4), torch.ones(2, 8), 8)
