@@ -1,6 +1,7 @@
 """Paged attention on the CPU with the C++ kernels of executor_svc/csrc: K/V are read through the block
 tables in place (no gathered copy), and the step's K/V go into the cache through the same extension, which
-also fuses the decoder's RMSNorm and rotary embedding (fused_cpu.cpp, used by executor_svc/models).
+also fuses the decoder's RMSNorm, rotary embedding (fused_cpu.cpp) and SiLU-and-mul (used by
+executor_svc/models).
 
 The extension is compiled by torch's cpp_extension on first use (g++ and ninja) and cached under torch's
 extensions directory (TORCH_EXTENSIONS_DIR), keyed by the sources; later starts only load it. The kernels

@@ -193,6 +193,31 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
+// out [T, I] = silu(gate) * up for gu [T, 2I] = (gate, up), float32 (rows may be strided).
+void silu_mul(at::Tensor out, const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0 && gu.scalar_type() == at::kFloat,
+              "gate_up is [T, 2 * I] float32 with contiguous rows");
+  const long T = gu.size(0);
+  const int I = gu.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == I && out.stride(1) == 1 &&
+              out.scalar_type() == at::kFloat, "out is [T, I] float32 with contiguous rows");
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const long gs = gu.stride(0), os = out.stride(0);
+  const Isa isa = current_isa;
+  // A decode step's few rows stay on one thread, where waking the others would cost more.
+  at::parallel_for(0, T, std::max<long>(1, (1 << 15) / std::max(I, 1)), [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+    if (isa == Isa::avx512)
+      isa_avx512::silu_mul_rows(g, gs, o, os, begin, end, I);
+    else if (isa == Isa::avx2)
+      isa_avx2::silu_mul_rows(g, gs, o, os, begin, end, I);
+    else
+#endif
+      isa_baseline::silu_mul_rows(g, gs, o, os, begin, end, I);
+  });
+}
+
 // key/value [T, KVH * D] (rows may be strided) into their slots; a negative slot is skipped (padding).
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                  const at::Tensor& slot_mapping) {
@@ -232,6 +257,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor query_start, "
         "Tensor context_lens, Tensor block_tables, int num_heads, float scale) -> ()");
   m.def("write_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("select_isa(str name) -> str", select_isa);
   m.def("active_isa() -> str", active_isa);
 }
@@ -239,4 +265,5 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("write_cache", write_cache);
+  m.impl("silu_mul", silu_mul);
 }

@@ -461,3 +461,20 @@ static void run(const Args& a, const WorkItem& it) {
   else
     run_item<float>(a, it);
 }
+
+// The MLP's SiLU-and-mul, one pass over rows [begin, end) of gu ([T, 2I]: gate, then up): out = gate / (1 +
+// exp(-gate)) * up, torch's arithmetic in its order with this file's exp. (It lives here for the vector
+// types and exp of each instruction set.)
+static void silu_mul_rows(const float* gu, long gu_stride, float* out, long out_stride, long begin, long end, int I) {
+  for (long t = begin; t < end; t++) {
+    const float* g = gu + t * gu_stride;
+    const float* u = g + I;
+    float* o = out + t * out_stride;
+    int i = 0;
+    for (; i + W <= I; i += W) {
+      const V x = load(g + i);
+      store(o + i, x / (1.f + vexp(-x)) * load(u + i));
+    }
+    for (; i < I; i++) o[i] = g[i] / (1.f + vexp(splat(-g[i]))[0]) * u[i];
+  }
+}

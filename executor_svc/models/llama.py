@@ -5,8 +5,9 @@ Every token of a step, from every request, prefill chunks and decodes alike, is 
 apart, through the attention metadata. q/k/v and gate/up projections are fused into one matmul each.
 The arithmetic follows transformers' LlamaModel step for step (norms in float32, RoPE tables in float32
 cast to the model dtype) so that float32 logits agree to rounding. Given the CPU extension's fused ops
-(executor_svc/csrc/fused_cpu.cpp), a float32 model runs each RMSNorm and each layer's rotary embedding as
-one of them rather than as a dozen small torch operators, the same arithmetic in the same order.
+(executor_svc/csrc), a float32 model runs each RMSNorm, each layer's rotary embedding and its MLP's
+SiLU-and-mul as one of them rather than as several small torch operators, the same arithmetic in the same
+order (the exp of SiLU is the kernels' own).
 """
 from __future__ import annotations
 
@@ -83,14 +84,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelArchitecture) -> None:
+    def __init__(self, config: ModelArchitecture, fused_ops=None) -> None:
         super().__init__()
+        self.fused_ops = fused_ops
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_ops is not None and gate_up.dtype == torch.float32:
+            activated = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            self.fused_ops.silu_mul(activated, gate_up)
+            return self.down_proj(activated)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -100,7 +107,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.self_attn = Attention(config, attention_backend, fused_ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, fused_ops)
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)

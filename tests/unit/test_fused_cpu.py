@@ -1,12 +1,14 @@
-"""The CPU extension's fused elementwise ops (executor_svc/csrc/fused_cpu.cpp) against the torch operators they
-replace in the model: the rotary embedding bit for bit, RMSNorm to the rounding of its sum of squares, on
-strided rows, odd widths and batches of one to a prefill chunk."""
+"""The CPU extension's fused elementwise ops (executor_svc/csrc) against the torch operators they replace in the
+model: the rotary embedding bit for bit, RMSNorm to the rounding of its sum of squares, SiLU-and-mul to that
+of its exp (on every instruction-set path), on strided rows, odd widths and batches of one to a prefill chunk."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from executor_svc.attention.cpu_backend import load_extension
+import torch.nn.functional as F
+
+from executor_svc.attention.cpu_backend import load_extension, supported_isas
 from executor_svc.models.llama import RMSNorm, _apply_rotary
 
 
@@ -44,6 +46,22 @@ def test_rms_norm_matches_torch_to_rounding(ops, num_tokens, hidden):
     torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize("num_tokens,intermediate", [(1, 1536), (64, 1536), (700, 1536), (3, 37)])
+def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate):
+    torch.manual_seed(intermediate)
+    # Strided rows, and values from far below to far above where SiLU saturates.
+    gate_up = (torch.randn(num_tokens, 2 * intermediate + 5) * 30)[:, :2 * intermediate]
+    gate, up = gate_up.split(intermediate, dim=-1)
+    out = torch.empty(num_tokens, intermediate)
+    previous = ops.select_isa(isa)
+    try:
+        ops.silu_mul(out, gate_up)
+    finally:
+        ops.select_isa(previous)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+
+
 def test_rms_norm_leaves_other_dtypes_to_torch(ops):
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     reference, fused = RMSNorm(64, 1e-6).to(torch.bfloat16), RMSNorm(64, 1e-6, ops).to(torch.bfloat16)
@@ -58,5 +76,7 @@ def test_fused_ops_refuse_what_they_cannot_read(ops):
         ops.rms_norm(torch.empty(2, 8), torch.ones(2, 8), torch.ones(9), 1e-6)
     with pytest.raises(RuntimeError, match="head_dim"):
         ops.rotary(torch.ones(2, 12), torch.ones(2, 12), torch.ones(2, 5), torch.ones(2, 5), 5)
+    with pytest.raises(RuntimeError, match="gate_up"):
+        ops.silu_mul(torch.empty(2, 3), torch.ones(2, 7))
     with pytest.raises(RuntimeError, match="cos and sin"):
         ops.rotary(torch.ones(2, 16), torch.ones(2, 8), torch.ones(2, 4), torch.ones(2, 8), 8)
