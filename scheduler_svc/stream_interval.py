@@ -8,6 +8,7 @@ stay spread evenly over the steps.
 """
 from __future__ import annotations
 
+import functools
 import zlib
 
 from pagedserve.step import RequestOutput, join_outputs
@@ -16,7 +17,8 @@ from pagedserve.step import RequestOutput, join_outputs
 class StreamInterval:
     def __init__(self, interval: int) -> None:
         self.interval = interval
-        self.held: dict[str, list[RequestOutput]] = {}  # per request: outputs not yet sent, oldest first
+        # Per request: outputs not yet sent, oldest first, and how many tokens they hold.
+        self.held: dict[str, tuple[list[RequestOutput], int]] = {}
 
     def release(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The outputs to send now (a request's held ones joined with its new one); holds back the rest."""
@@ -24,17 +26,20 @@ class StreamInterval:
             return outputs
         ready = []
         for output in outputs:
-            held = self.held.pop(output.request_id, [])
+            held, num_unsent = self.held.pop(output.request_id, ([], 0))
             held.append(output)
-            num_unsent = sum(len(o.new_token_ids) for o in held)
+            num_unsent += len(output.new_token_ids)
             # Prompt logprobs go out with the first tokens; so do errors and refusals, which carry none.
             first = output.num_output_tokens == num_unsent
-            if (output.finished or first or num_unsent >= self.interval
-                    or (output.num_output_tokens + self._phase(output.request_id)) % self.interval == 0):
+            if (output.finish_reason is not None or first or num_unsent >= self.interval
+                    or (output.num_output_tokens + _phase(output.request_id, self.interval)) % self.interval == 0):
                 ready.extend(join_outputs(held))
             else:
-                self.held[output.request_id] = held
+                self.held[output.request_id] = (held, num_unsent)
         return ready
 
-    def _phase(self, request_id: str) -> int:
-        return zlib.crc32(request_id.encode()) % self.interval
+
+@functools.lru_cache(maxsize=1 << 14)
+def _phase(request_id: str, interval: int) -> int:
+    """Kept: every step asks it of every request it holds."""
+    return zlib.crc32(request_id.encode()) % interval

@@ -18,7 +18,7 @@ namespace {
 
 constexpr int MAX_HEAD_DIM = 256;
 constexpr int MAX_DOT_ROWS = 16;  // items with fewer rows than a vector holds take the dot-product path
-constexpr int ROW_VECS = 2;
+constexpr int ROW_VECS = 3;  // vectors of query rows per prefill item: 3 x ROWS_KEY_CHUNK accumulators + 3 + 1 fit the registers
 constexpr int KEY_TILE = 32;  // keys per online-softmax step of either path
 
 // All-zero bits are 0.0 in float32 and in bfloat16: one row serves both.
