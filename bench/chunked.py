@@ -4,7 +4,7 @@ inter-token latency of the decoding requests from the long prompt's arrival unti
 the long prompt's time to first token, both ways, side by side in one run (the in-process engine, so that
 only scheduling differs). Writes bench/results/chunked.json.
 
-    python bench/chunked.py [--long-prompt 4096] [--budget 256] [--decoders 16] [--model default]
+    python bench/chunked.py [--long-prompt 4096] [--budget 256] [--decoders 16] [--model default] [--name chunked]
 """
 from __future__ import annotations
 
@@ -73,10 +73,11 @@ def main() -> None:
     parser.add_argument("--decoders", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=1024, help="enough to outlast the long prompt")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--name", default="chunked", help="result file name under bench/results/")
     args = parser.parse_args()
     unchunked = run(args, chunked=False)
     chunked = run(args, chunked=True)
-    path = write_result("chunked", {
+    path = write_result(args.name, {
         "p99_itl_chunked_vs_unchunked": round(chunked["p99_itl_ms"] / unchunked["p99_itl_ms"], 4),
         "long_ttft_chunked_vs_unchunked": round(chunked["long_prompt_ttft_ms"] / unchunked["long_prompt_ttft_ms"], 4),
     }, {"chunked": chunked, "unchunked": unchunked, "long_prompt": args.long_prompt, "decoders": args.decoders})

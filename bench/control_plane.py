@@ -6,7 +6,7 @@ asked for (--stream-interval N: the scheduler sends a request's tokens N at a ti
 also records the CPU each process spent per step. Writes bench/results/control_plane.json.
 
     python bench/control_plane.py [--sleep-ms 5] [--requests 256] [--window 20] [--only-async]
-                                  [--stream-intervals 4,16]
+                                  [--stream-intervals 4,16] [--name control_plane]
 
 The clients are asyncio streams in this process, so that the load generator takes as little of the
 machine's cores as it can (its CPU is recorded too).
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--only-async", action="store_true", help="skip the run without async scheduling")
     parser.add_argument("--stream-intervals", default="4,16",
                         help="comma-separated stream intervals to run besides 1 (empty: none)")
+    parser.add_argument("--name", default="control_plane", help="result file name under bench/results/")
     args = parser.parse_args()
 
     planned_ahead = run(args, async_scheduling=True)
@@ -123,7 +124,7 @@ def main() -> None:
         batched = run(args, async_scheduling=True, stream_interval=interval)
         metrics[f"stream_interval_{interval}"] = batched
         ratios[f"busy_fraction_stream_interval_{interval}"] = batched["busy_fraction"]
-    path = write_result("control_plane", ratios, metrics)
+    path = write_result(args.name, ratios, metrics)
     print(path.read_text())
 
 
