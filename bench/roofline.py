@@ -71,12 +71,6 @@ def decode_tok_per_s(runner: ModelRunner, prompts, steps: int, budget: int,
     return len(prompts) / statistics.median(times)
 
 
-def gemm_tok_per_s(runner: ModelRunner, batch: int, repeats: int) -> float:
-    """Tokens/s of the linear layers alone at this batch: each layer's q/k/v, o, gate/up and down projections
-    and the LM head, on random activations."""
-    return batch / linear_layers_seconds(runner.model, batch, batch, repeats=repeats)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
