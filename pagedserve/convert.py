@@ -171,10 +171,11 @@ def _running_from_proto(columns: kvcache_pb2.RunningRequests) -> list[BlockReque
     if (counts and min(counts) < 0) or sum(counts) != len(tokens):
         raise ValueError(f"running: num_new_tokens must count the {len(tokens)} new_token_ids")
     running, at = [], 0
-    for request_id, num_tokens, count, start, executor_id in zip(ids, columns.num_tokens, counts,
-                                                                 columns.new_tokens_starts, executor_ids):
-        running.append(BlockRequest(request_id, num_tokens, new_token_ids=tokens[at:at + count] if count else None,
-                                    new_tokens_start=start, executor_id=executor_id))
+    # Every running request comes through here every step: positional arguments, and the columns as lists.
+    for request_id, num_tokens, count, start, executor_id in zip(list(ids), list(columns.num_tokens), counts,
+                                                                 list(columns.new_tokens_starts), executor_ids):
+        running.append(BlockRequest(request_id, num_tokens, None, None, tokens[at:at + count] if count else None,
+                                    start, executor_id))
         at += count
     return running
 
