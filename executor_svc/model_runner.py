@@ -317,13 +317,15 @@ class ModelRunner:
         position = req.start_position + len(req.token_ids)
         if req.sampling_params is not None or state is None or state.sampled_position != position:
             return req, f"no token was sampled for position {position} (the step that samples it did not run here)"
-        fed = ExecuteRequest(req.request_id, req.token_ids + [state.sampled_token], req.start_position,
-                             req.new_block_ids, req.sample, None, req.prompt_len, req.load_blocks, req.prefix_token_ids,
-                             prompt_logprobs=req.prompt_logprobs)
-        if req.token_ids or req.load_blocks:
-            return fed, self._check(fed, state)
+        # Completed in place (every running request comes through here every step): the row now carries the
+        # token itself. Its sender reads no more than whether it samples.
+        had_tokens = bool(req.token_ids)
+        req.token_ids = req.token_ids + [state.sampled_token] if had_tokens else [state.sampled_token]
+        req.feed_sampled = False
+        if had_tokens or req.load_blocks:
+            return req, self._check(req, state)
         # A decode of this executor's own sample, where it was sampled: only where it ends is new.
-        return fed, self._check_extent(fed, len(state.block_ids), position + 1)
+        return req, self._check_extent(req, len(state.block_ids), position + 1)
 
     def _drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

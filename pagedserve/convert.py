@@ -326,10 +326,12 @@ def _decode_rows_from_proto(decodes: executor_pb2.DecodeRows) -> list[ExecuteReq
         if not 0 <= row < len(ids):
             raise ValueError(f"decodes: block_rows names row {row} of {len(ids)}")
         new_blocks.setdefault(row, []).append(block_id)
+    # Every running request comes through here every step: the columns as lists, positional arguments.
     return [
-        ExecuteRequest(request_id, [] if token == FEED_SAMPLED else [token], position, new_blocks.get(row, []), True,
-                       feed_sampled=token == FEED_SAMPLED)
-        for row, (request_id, position, token) in enumerate(zip(ids, decodes.positions, decodes.token_ids))
+        ExecuteRequest(request_id, [] if token == FEED_SAMPLED else [token], position,
+                       new_blocks.get(row, []) if new_blocks else [], True, None, 0, [], [], token == FEED_SAMPLED)
+        for row, (request_id, position, token) in enumerate(zip(list(ids), list(decodes.positions),
+                                                                list(decodes.token_ids)))
     ]
 
 
