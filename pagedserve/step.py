@@ -248,16 +248,25 @@ class RequestOutput:
 def join_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """Each request's outputs of consecutive steps as one, in the order the requests first appear: its new
     tokens (and logprobs) in order, its prompt logprobs (sent once), the finish and counts of the last."""
-    joined: dict[str, RequestOutput] = {}
+    runs: dict[str, list[RequestOutput]] = {}
     for output in outputs:
-        earlier = joined.get(output.request_id)
-        if earlier is not None:
-            output = RequestOutput(
-                output.request_id, earlier.new_token_ids + output.new_token_ids,
-                (earlier.new_logprobs or []) + (output.new_logprobs or []) or None, output.finish_reason,
-                output.num_prompt_tokens, output.num_output_tokens, output.error,
-                earlier.prompt_logprobs or output.prompt_logprobs,
-            )
-        joined[output.request_id] = output
+        run = runs.get(output.request_id)
+        if run is None:
+            runs[output.request_id] = [output]
+        else:
+            run.append(output)
     # Most often (a step's outputs) every request appears once: the list as it came.
-    return outputs if len(joined) == len(outputs) else list(joined.values())
+    return outputs if len(runs) == len(outputs) else [join_run(run) for run in runs.values()]
+
+
+def join_run(run: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs of consecutive steps, oldest first, as one (see join_outputs)."""
+    if len(run) == 1:
+        return run[0]
+    last = run[-1]
+    logprobs = [token for output in run if output.new_logprobs for token in output.new_logprobs]
+    return RequestOutput(
+        last.request_id, [token_id for output in run for token_id in output.new_token_ids], logprobs or None,
+        last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, last.error,
+        next((output.prompt_logprobs for output in run if output.prompt_logprobs), None),
+    )

@@ -421,11 +421,6 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def _output(self, request: Request, new_token_ids: list[int], logprobs=None) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_logprobs=logprobs,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=len(request.output_token_ids),
-        )
+        # (Every running request's every token: positional arguments.)
+        return RequestOutput(request.request_id, new_token_ids, logprobs, request.finish_reason,
+                             len(request.prompt_token_ids), len(request.output_token_ids))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import zlib
 
-from pagedserve.step import RequestOutput, join_outputs
+from pagedserve.step import RequestOutput, join_run
 
 
 class StreamInterval:
@@ -24,18 +24,23 @@ class StreamInterval:
         """The outputs to send now (a request's held ones joined with its new one); holds back the rest."""
         if self.interval == 1:
             return outputs
-        ready = []
+        ready, held_by_id, interval = [], self.held, self.interval
         for output in outputs:
-            held, num_unsent = self.held.pop(output.request_id, ([], 0))
-            held.append(output)
-            num_unsent += len(output.new_token_ids)
+            entry = held_by_id.get(output.request_id)
+            if entry is None:
+                held, num_unsent = [output], len(output.new_token_ids)
+            else:
+                held, num_unsent = entry[0], entry[1] + len(output.new_token_ids)
+                held.append(output)
             # Prompt logprobs go out with the first tokens; so do errors and refusals, which carry none.
             first = output.num_output_tokens == num_unsent
-            if (output.finish_reason is not None or first or num_unsent >= self.interval
-                    or (output.num_output_tokens + _phase(output.request_id, self.interval)) % self.interval == 0):
-                ready.extend(join_outputs(held))
+            if (output.finish_reason is not None or first or num_unsent >= interval
+                    or (output.num_output_tokens + _phase(output.request_id, interval)) % interval == 0):
+                if entry is not None:
+                    del held_by_id[output.request_id]
+                ready.append(join_run(held))
             else:
-                self.held[output.request_id] = (held, num_unsent)
+                held_by_id[output.request_id] = (held, num_unsent)
         return ready
 
 
