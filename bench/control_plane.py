@@ -3,10 +3,12 @@
 time over the wall time, over a window in which all of them run. The same load runs with steps planned
 ahead (the default) and without (--no-async-scheduling), and with steps planned ahead and each stream interval
 asked for (--stream-interval N: the scheduler sends a request's tokens N at a time), side by side; each run
-also records the CPU each process spent per step. Writes bench/results/control_plane.json.
+also records the CPU each process spent per step. With --control-plane-cpus, the runs with steps planned ahead
+are repeated with the scheduler and the KV-cache service on those CPUs and the rest of the stack, the load
+generator too, on the others (`pagedserve up --control-plane-cpus`). Writes bench/results/control_plane.json.
 
     python bench/control_plane.py [--sleep-ms 5] [--requests 256] [--window 20] [--only-async]
-                                  [--stream-intervals 4,16] [--name control_plane]
+                                  [--stream-intervals 4,16] [--control-plane-cpus 0] [--name control_plane]
 
 The clients are asyncio streams in this process, so that the load generator takes as little of the
 machine's cores as it can (its CPU is recorded too).
@@ -34,22 +36,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int = 1) -> dict:
+def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int = 1,
+        control_plane_cpus: str | None = None) -> dict:
     """args.requests streams on a stack of `executors` sleeping executors, measured over args.window seconds
     once all of them run."""
     import grpc
 
     from pagedserve.client import build_request
-    from pagedserve.config import PagedServeConfig
+    from pagedserve.config import PagedServeConfig, format_cpu_list
     from pagedserve.entrypoints.launcher import Stack
+    from pagedserve.service import pin_to_cpus
     from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
     config = PagedServeConfig.from_kwargs(model=args.model, device="cpu", port=0, log_level="WARNING",
                                           benchmark_sleep_ms=args.sleep_ms, max_num_seqs=args.requests,
                                           async_scheduling=async_scheduling, executors=executors,
-                                          stream_interval=stream_interval,
+                                          stream_interval=stream_interval, control_plane_cpus=control_plane_cpus,
                                           kv_cache_memory=96 << 30)  # no KV tensors: room for every request
     prompt_len = 8
+    own_cpus = format_cpu_list(os.sched_getaffinity(0))
     with Stack(config) as stack:
         loop = asyncio.new_event_loop()
         stop = asyncio.Event()
@@ -73,6 +78,8 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
                     stream.cancel()
                 await asyncio.gather(*streams, return_exceptions=True)
 
+        if control_plane_cpus is not None:  # the clients (and gRPC's threads that carry them) stand for remote ones
+            pin_to_cpus(stack.cpus["frontend"])
         clients = threading.Thread(target=loop.run_until_complete, args=(load(),), daemon=True)
         clients.start()
         pids = {name: process.pid for name, process in stack.processes.items()}
@@ -88,6 +95,7 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
             cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
         loop.call_soon_threadsafe(stop.set)
         clients.join(timeout=30)
+    pin_to_cpus(own_cpus)  # the next run's stack starts from all of them again
     steps = end.num_steps - start.num_steps
     wall = t1 - t0
     return {
@@ -109,21 +117,39 @@ def main() -> None:
     parser.add_argument("--only-async", action="store_true", help="skip the run without async scheduling")
     parser.add_argument("--stream-intervals", default="4,16",
                         help="comma-separated stream intervals to run besides 1 (empty: none)")
+    parser.add_argument("--control-plane-cpus", default=None,
+                        help="also run the planned-ahead runs with the scheduler and the KV-cache service on these "
+                             "CPUs, the rest of the stack and the clients on the others")
     parser.add_argument("--name", default="control_plane", help="result file name under bench/results/")
     args = parser.parse_args()
 
+    metrics = {"sleep_ms": args.sleep_ms, "running": args.requests, "control_plane_cpus": args.control_plane_cpus}
+    ratios = {}
+
+    def pin(interval: int) -> None:
+        """With --control-plane-cpus, the same run pinned, right after the unpinned one (the host drifts)."""
+        if args.control_plane_cpus is not None:
+            pinned = run(args, async_scheduling=True, stream_interval=interval,
+                         control_plane_cpus=args.control_plane_cpus)
+            metrics[f"control_plane_cpus_stream_interval_{interval}"] = pinned
+            suffix = "" if interval == 1 else f"_stream_interval_{interval}"
+            ratios[f"busy_fraction{suffix}_control_plane_cpus"] = pinned["busy_fraction"]
+
     planned_ahead = run(args, async_scheduling=True)
-    metrics = {"sleep_ms": args.sleep_ms, "running": args.requests, "async_scheduling": planned_ahead}
-    ratios = {"busy_fraction": planned_ahead["busy_fraction"]}
+    metrics["async_scheduling"] = planned_ahead
+    ratios["busy_fraction"] = planned_ahead["busy_fraction"]
+    pin(1)
     if not args.only_async:
         one_at_a_time = run(args, async_scheduling=False)
         metrics["sync_scheduling"] = one_at_a_time
         ratios["async_vs_sync_steps_per_s"] = round(
             planned_ahead["steps"] / planned_ahead["window_s"] / (one_at_a_time["steps"] / one_at_a_time["window_s"]), 3)
-    for interval in [int(n) for n in args.stream_intervals.split(",") if n]:
+    intervals = [int(n) for n in args.stream_intervals.split(",") if n]
+    for interval in intervals:
         batched = run(args, async_scheduling=True, stream_interval=interval)
         metrics[f"stream_interval_{interval}"] = batched
         ratios[f"busy_fraction_stream_interval_{interval}"] = batched["busy_fraction"]
+        pin(interval)
     path = write_result(args.name, ratios, metrics)
     print(path.read_text())
 

@@ -20,7 +20,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagedserve.config import API_KEY_ENV, INTERNAL_TOKEN_ENV, PARENT_PID_ENV
+from pagedserve.config import API_KEY_ENV, INTERNAL_TOKEN_ENV, PARENT_PID_ENV, format_cpu_list, parse_cpu_list
 
 logger = logging.getLogger(__name__)
 
@@ -537,6 +537,25 @@ def tune_garbage_collector() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def pin_to_cpus(cpus: str | None) -> None:
+    """Every thread of this process, and each it starts later, on these CPUs (ServingConfig.cpus)."""
+    if cpus is None:
+        return
+    wanted = parse_cpu_list(cpus)
+    try:
+        # The threads started so far each keep their own mask; new ones inherit their starter's.
+        for thread_id in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(thread_id), wanted)
+    except OSError as error:  # none of them is available to this process
+        raise SystemExit(f"cpus {cpus}: {error.strerror}: none of these CPUs is available to this process")
+    # CPUs outside the process's cpuset are dropped without an error: a partial pin is refused too.
+    got = os.sched_getaffinity(0)
+    if got != wanted:
+        raise SystemExit(f"cpus {cpus}: CPUs {format_cpu_list(wanted - got)} are not available to this process")
+    logging.getLogger(__name__).info("running on CPUs %s", cpus)
 
 
 def configure_logging(level: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from pagedserve.config import SchedulerConfig, ServingConfig, parse
-from pagedserve.service import Security, Service, channel, configure_logging
+from pagedserve.service import Security, Service, channel, configure_logging, pin_to_cpus
 from pagedserve.v1 import (
     executor_pb2,
     executor_pb2_grpc,
@@ -21,8 +21,8 @@ from scheduler_svc.build import build_scheduler
 from scheduler_svc.server import RemoteBackends, SchedulerServicer
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "kvcache", "executor", "startup_timeout", "tls_cert", "tls_key", "tls_ca",
-                    "internal_token_file", "drain_timeout_s"),
+    ServingConfig: ("host", "port", "log_level", "cpus", "kvcache", "executor", "startup_timeout", "tls_cert",
+                    "tls_key", "tls_ca", "internal_token_file", "drain_timeout_s"),
     SchedulerConfig: None,
 }
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = parse_args(argv)
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
+    pin_to_cpus(serving.cpus)
     security = Security.from_config(serving)
     kvcache_channel = channel(serving.kvcache, security)
     kvcache = kvcache_pb2_grpc.KVCacheStub(kvcache_channel)

@@ -20,7 +20,15 @@ import executor_svc.__main__
 import frontend.__main__
 import kvcache_svc.__main__
 import scheduler_svc.__main__
-from pagedserve.config import ENVIRONMENT, CacheConfig, PagedServeConfig, ServingConfig, to_argv
+from pagedserve.config import (
+    ENVIRONMENT,
+    CacheConfig,
+    PagedServeConfig,
+    ServingConfig,
+    format_cpu_list,
+    parse_cpu_list,
+    to_argv,
+)
 from pagedserve.entrypoints.supervisor import RestartPolicy, Supervisor
 from pagedserve.service import INTERNAL_TOKEN_ENV, PARENT_PID_ENV, Security, channel, wait_until_serving
 
@@ -31,6 +39,8 @@ SERVICES = {
     "scheduler_svc": scheduler_svc.__main__,
     "frontend": frontend.__main__,
 }
+# What control_plane_cpus is for: the two processes that call each other in turn every step.
+CONTROL_PLANE = ("kvcache_svc", "scheduler_svc")
 # Past a service's drain timeout, how long stopping waits for it before SIGKILL.
 STOP_MARGIN_S = 10.0
 # The interpreter names a command may start with; the launcher runs its own.
@@ -57,6 +67,23 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
         except OSError:
             continue
     raise RuntimeError(f"found no {count} consecutive free ports on {host}")
+
+
+def process_cpus(serving: ServingConfig, modules: dict[str, str]) -> dict[str, str | None]:
+    """Each process's `cpus`: with control_plane_cpus, the scheduler and the KV-cache service on those and the
+    other processes on the rest of the CPUs the stack may use (its own `cpus`, else the launcher's)."""
+    if serving.control_plane_cpus is None:
+        return dict.fromkeys(modules, serving.cpus)
+    given = parse_cpu_list(serving.cpus) if serving.cpus is not None else frozenset(os.sched_getaffinity(0))
+    control = parse_cpu_list(serving.control_plane_cpus, "control_plane_cpus")
+    if not control <= given:
+        raise ValueError(f"control_plane_cpus names CPUs {format_cpu_list(control - given)} that the stack may "
+                         f"not use (it may use {format_cpu_list(given)})")
+    if not given - control:
+        raise ValueError(f"control_plane_cpus takes every CPU the stack may use ({format_cpu_list(given)}): none "
+                         "is left for the frontends and the executors")
+    return {name: format_cpu_list(control if module in CONTROL_PLANE else given - control)
+            for name, module in modules.items()}
 
 
 def replica_name(module: str, index: int) -> str:
@@ -207,6 +234,7 @@ class Stack(LocalProcesses):
             host = serving.host if module == "frontend" else "127.0.0.1"
             first = (serving.listen_port("frontend") if module == "frontend" else 0) or free_ports(len(stage), host)
             self.addresses.update({name: f"{host}:{first + k}" for k, name in enumerate(stage)})
+        self.cpus = process_cpus(serving, self.modules)
         self.frontends = stages[-1]
         self.address = self.addresses["frontend"]
         self.http_addresses = {name: "" for name in self.frontends}  # empty: no HTTP API
@@ -248,6 +276,7 @@ class Stack(LocalProcesses):
             executor=None if several else self.executor_address, scheduler=self.scheduler_address,
             kvcache=None if module == "executor_svc" and not several else self.kvcache_address,
             advertise_address=self.addresses[name] if several and module == "executor_svc" else None,
+            cpus=self.cpus[name],
         )
         return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ CHANGED = PagedServeConfig(
                   max_message_bytes=1 << 20, max_prompt_chars=999,
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
                   internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2,
-                  advertise_address="x:4", heartbeat_ttl=1.5),
+                  advertise_address="x:4", heartbeat_ttl=1.5, cpus="0-3", control_plane_cpus="1"),
 )
 
 
@@ -129,10 +130,42 @@ def test_the_launchers_argv_parses_with_each_services_parser():
             changed.serving_config, host=host, port=int(port),
             executor=stack.executor_address, scheduler=stack.scheduler_address,
             kvcache=None if name == "executor_svc" else stack.kvcache_address, advertise_address=None,
+            cpus="1" if name in ("kvcache_svc", "scheduler_svc") else "0,2,3",
         )
         expected = _expected(dataclasses.replace(changed, serving_config=serving), service.SECTIONS)
         assert service.parse_args(stack.service_argv(name)) == expected, name
     assert stack.address == "0.0.0.0:1234"
+
+
+def test_cpu_lists_read_as_taskset_writes_them():
+    assert cfg.parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6} and cfg.parse_cpu_list(" 2 ") == {2}
+    assert cfg.format_cpu_list({6, 0, 1}) == "0,1,6"
+    for bad in ("", "a", "3-1", "1,,2", "-1"):
+        with pytest.raises(ValueError, match="^control_plane_cpus must be a CPU list"):
+            ServingConfig(control_plane_cpus=bad)
+
+
+def test_control_plane_cpus_must_leave_cpus_for_the_rest_and_stay_within_the_stacks():
+    from pagedserve.entrypoints.launcher import Stack
+
+    unpinned = Stack(PagedServeConfig.from_kwargs(port=7100, cpus="2-3"))
+    assert set(unpinned.cpus.values()) == {"2-3"}  # each process is told the stack's own list
+    with pytest.raises(ValueError, match="takes every CPU the stack may use \\(2,3\\)"):
+        Stack(PagedServeConfig.from_kwargs(port=7100, cpus="2-3", control_plane_cpus="2-3"))
+    with pytest.raises(ValueError, match="names CPUs 1 that the stack may not use \\(it may use 2,3\\)"):
+        Stack(PagedServeConfig.from_kwargs(port=7100, cpus="2-3", control_plane_cpus="1-2"))
+
+
+def test_a_service_told_cpus_it_cannot_have_refuses_to_start():
+    import subprocess
+    import sys
+
+    outside, inside = os.cpu_count() + 1000, min(os.sched_getaffinity(0))
+    for cpus, error in ((f"{outside}", "none of these CPUs is available to this process"),
+                        (f"{inside},{outside}", f"CPUs {outside} are not available to this process")):
+        run = subprocess.run([sys.executable, "-c", f"from pagedserve.service import pin_to_cpus; pin_to_cpus('{cpus}')"],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert run.returncode == 1 and error in run.stderr, (cpus, run.stderr)
 
 
 def test_frontend_k_listens_on_the_public_and_http_ports_plus_k():
