@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import sys
 import threading
@@ -34,6 +35,15 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+@functools.cache
+def clients_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop of every run's clients: gRPC's asyncio layer stays bound to the loop it started on
+    while any of its objects lives, so that a run's clients on a new loop could wait forever."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="clients", daemon=True).start()
+    return loop
 
 
 def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int = 1,
@@ -56,7 +66,7 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
     prompt_len = 8
     own_cpus = format_cpu_list(os.sched_getaffinity(0))
     with Stack(config) as stack:
-        loop = asyncio.new_event_loop()
+        loop = clients_loop()
         stop = asyncio.Event()
         received = [0]  # tokens streamed back so far
 
@@ -80,8 +90,7 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
 
         if control_plane_cpus is not None:  # the clients (and gRPC's threads that carry them) stand for remote ones
             pin_to_cpus(stack.cpus["frontend"])
-        clients = threading.Thread(target=loop.run_until_complete, args=(load(),), daemon=True)
-        clients.start()
+        clients = asyncio.run_coroutine_threadsafe(load(), loop)
         pids = {name: process.pid for name, process in stack.processes.items()}
         with stack.channel("scheduler_svc") as ch:
             scheduler = scheduler_pb2_grpc.SchedulerStub(ch)
@@ -94,7 +103,7 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
             end, tokens1, t1 = stats(), received[0], time.perf_counter()
             cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
         loop.call_soon_threadsafe(stop.set)
-        clients.join(timeout=30)
+        clients.result(timeout=60)
     pin_to_cpus(own_cpus)  # the next run's stack starts from all of them again
     steps = end.num_steps - start.num_steps
     wall = t1 - t0

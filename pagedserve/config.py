@@ -376,8 +376,8 @@ class ServingConfig(_Config):
                                     "all its threads, torch's too, stay there (default: every CPU it was given)")
     control_plane_cpus: str | None = option(
         None, "`pagedserve up`: CPUs for the scheduler and the KV-cache service alone, the other processes on the "
-              "rest. The two call each other in turn every step, and a gRPC call hands work between threads about "
-              "ten times: on one core no hand-off has to wake another, which on a virtual machine costs tens of "
+              "rest. The two call each other in turn every step, and a gRPC call hands work between threads several "
+              "times: on one core no hand-off has to wake another, which on a virtual machine costs tens of "
               "microseconds each. For machines with a core to spare: the executor loses these CPUs' compute")
 
     def __post_init__(self) -> None:
