@@ -13,7 +13,8 @@ typedef int VI __attribute__((vector_size(W * 4)));
 typedef unsigned VU __attribute__((vector_size(W * 4)));
 typedef unsigned short VH __attribute__((vector_size(W * 2), aligned(2)));
 
-static inline V splat(float x) { return V{} + x; }
+// x - 0 is x for every x (0 + x is not, for -0), so this compiles to a bare broadcast, from memory where x is.
+static inline V splat(float x) { return x - V{}; }
 static inline V load(const float* p) { return *(const V*)p; }
 static inline V load(const unsigned short* p) { return (V)(__builtin_convertvector(*(const VH*)p, VU) << 16); }
 static inline void store(float* p, V v) { *(V*)p = v; }
@@ -174,22 +175,20 @@ static inline V sum_keys(V* p) {
 
 // One tile of keys for NR query rows at once (qs, acc, m, l and pos point at the block's first row): each
 // K and V vector is loaded once for all of them, and their NR softmax chains and accumulator chains are
-// independent, so that neither the loads nor one row's latency bound the tile. The next tile's rows are
-// prefetched (into L2), a key group at a time, when `prefetch`.
+// independent, so that neither the loads nor one row's latency bound the tile. With `prefetch` (the first
+// block of rows over the tile), the tile's values are fetched into L1 while its scores are computed, and the
+// next tile's keys (next_kp, unless null) while the values are applied, a row per key.
 template <typename T, int HEAD_DIM, int NR>
 static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DIM], float (*acc)[MAX_HEAD_DIM],
                             float* m, float* l, const int* pos, const T* const* kp, const T* const* vp,
-                            const T* const* next_kp, const T* const* next_vp, bool prefetch) {
+                            const T* const* next_kp, bool prefetch) {
   constexpr int TK = KEY_TILE, KB = dot_keys<NR>(), PV = pv_vecs<NR>();
   static_assert(TK % KB == 0, "a tile is whole key groups");
   alignas(64) float pw[NR][TK + W];  // a tile's scores, then its softmax weights (a group's store may spill over)
   for (int jj = 0; jj < TK; jj += KB) {
     if (prefetch)
       for (int j = jj; j < jj + KB; j++)
-        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) {
-          __builtin_prefetch((const char*)next_kp[j] + byte, 0, 2);
-          __builtin_prefetch((const char*)next_vp[j] + byte, 0, 2);
-        }
+        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) __builtin_prefetch((const char*)vp[j] + byte, 0, 3);
     V dots[NR][KB];
     for (int r = 0; r < NR; r++)
       for (int j = 0; j < KB; j++) dots[r][j] = V{};
@@ -240,6 +239,8 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
       for (int v = 0; v < PV; v++)
         if (v < nv) o[r][v] = load(&acc[r][d0 + v * W]) * alpha[r];
     for (int j = 0; j < nk; j++) {
+      if (prefetch && next_kp != nullptr && d0 == 0)
+        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) __builtin_prefetch((const char*)next_kp[j] + byte, 0, 3);
       V w[NR];
       for (int r = 0; r < NR; r++) w[r] = splat(pw[r][j]);
       const T* vr = vp[j] + d0;
@@ -297,20 +298,20 @@ static void attend_dot(const Args& a, const WorkItem& it) {
     if (more) chunk_rows(a, s, h, j0 + TK, TK, key_end, next_kp, next_vp);
     for (int b = 0, r0 = 0; b < num_blocks; b++) {
       const int nr = (rows - r0) / (num_blocks - b) + ((rows - r0) % (num_blocks - b) != 0);
-      const bool prefetch = more && b == 0;
+      const T* const* prefetch_keys = more ? next_kp : nullptr;
       switch (nr) {
         case 1:
-          dot_tile<T, HEAD_DIM, 1>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, next_kp, next_vp, prefetch);
+          dot_tile<T, HEAD_DIM, 1>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         case 2:
-          dot_tile<T, HEAD_DIM, 2>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, next_kp, next_vp, prefetch);
+          dot_tile<T, HEAD_DIM, 2>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         case 3:
-          dot_tile<T, HEAD_DIM, 3>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, next_kp, next_vp, prefetch);
+          dot_tile<T, HEAD_DIM, 3>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         default:
           if constexpr (DOT_ROW_BLOCK >= 4)
-            dot_tile<T, HEAD_DIM, 4>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, next_kp, next_vp, prefetch);
+            dot_tile<T, HEAD_DIM, 4>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
       }
       r0 += nr;
     }
