@@ -143,7 +143,7 @@ class ModelRunner:
             self.model_dir, self.config.model_type, model_config.dtype, self.device, self.num_blocks, block_size,
             budget / 2**20,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(fused_ops.argmax if fused_ops is not None else None)
         self._last_sampling_batch: tuple[list[SamplingParams], SamplingBatch] | None = None
         self.requests: dict[str, RequestState] = {}
         self.token_counts = TokenCounts(self.config.vocab_size, self.device)

@@ -8,7 +8,7 @@ rest of the batch. Bias, penalties and grammar masks touch only the rows that as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -236,6 +236,17 @@ def filter_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 class Sampler:
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        # The CPU kernels' vectorised argmax, where the executor has them: torch's CPU argmax is scalar, and
+        # took 1.5% of a 64-request decode step.
+        self.fused_argmax = argmax
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """argmax(dim=-1) of float logits [B, V]: the first largest of each row (a NaN before any number)."""
+        if self.fused_argmax is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            return self.fused_argmax(logits)
+        return logits.argmax(dim=-1)
+
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor | Sequence[int],
         penalty_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -259,11 +270,11 @@ class Sampler:
                 bitmask, rows = grammar_mask
                 xgrammar.apply_token_bitmask_inplace(adjusted, bitmask.to(adjusted.device), indices=rows)
         if batch.all_greedy:
-            token_ids = adjusted.argmax(dim=-1)
+            token_ids = self.greedy(adjusted)
         else:
             token_ids = self._sample(adjusted, batch, positions)
             if batch.any_greedy:
-                token_ids = torch.where(batch.greedy, adjusted.argmax(dim=-1), token_ids)
+                token_ids = torch.where(batch.greedy, self.greedy(adjusted), token_ids)
         if batch.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
         # Raw logprobs, as vLLM reports by default: the model's distribution before temperature and filters.

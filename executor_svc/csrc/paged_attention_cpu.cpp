@@ -218,6 +218,31 @@ void silu_mul(at::Tensor out, const at::Tensor& gu) {
   });
 }
 
+// The greedy token of each row of logits [T, N] float32: torch's argmax(dim=-1) (the first largest, a NaN
+// before any number), vectorised where torch's CPU argmax is scalar.
+at::Tensor argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat && logits.size(1) > 0 &&
+              logits.size(1) < (1 << 24), "logits are [T, N] float32 with 0 < N < 2^24 and contiguous rows");
+  const long T = logits.size(0), N = logits.size(1), stride = logits.stride(0);
+  at::Tensor out = at::empty({T}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  const Isa isa = current_isa;
+  at::parallel_for(0, T, std::max<long>(1, (1 << 15) / N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+#if defined(__x86_64__)
+      if (isa == Isa::avx512)
+        o[t] = isa_avx512::argmax_row(x + t * stride, N);
+      else if (isa == Isa::avx2)
+        o[t] = isa_avx2::argmax_row(x + t * stride, N);
+      else
+#endif
+        o[t] = isa_baseline::argmax_row(x + t * stride, N);
+    }
+  });
+  return out;
+}
+
 // key/value [T, KVH * D] (rows may be strided) into their slots; a negative slot is skipped (padding).
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
                  const at::Tensor& slot_mapping) {
@@ -258,6 +283,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "Tensor context_lens, Tensor block_tables, int num_heads, float scale) -> ()");
   m.def("write_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("argmax(Tensor logits) -> Tensor");
   m.def("select_isa(str name) -> str", select_isa);
   m.def("active_isa() -> str", active_isa);
 }
@@ -266,4 +292,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("write_cache", write_cache);
   m.impl("silu_mul", silu_mul);
+  m.impl("argmax", argmax);
 }

@@ -479,3 +479,43 @@ static void silu_mul_rows(const float* gu, long gu_stride, float* out, long out_
     for (; i < I; i++) o[i] = g[i] / (1.f + vexp(splat(-g[i]))[0]) * u[i];
   }
 }
+
+// Index of the first largest element of x[0, n), or of the first NaN, as torch's argmax picks it. One pass
+// keeps each lane's largest and its first index (a strict > keeps the first of equals); the lanes are then
+// merged by value, ties by index. NaNs are only flagged in the pass; a row with one is scanned again.
+static long argmax_row(const float* x, long n) {
+  long i = 0, best_index = 0;
+  float best = -__builtin_inff();
+  bool nan = false;
+  if (n >= W) {
+    V mx = load(x), idx, lane_index;
+    for (int j = 0; j < W; j++) lane_index[j] = (float)j;
+    idx = lane_index;
+    VI seen_nan = mx != mx;
+    for (i = W; i + W <= n; i += W) {
+      const V v = load(x + i);
+      const VI greater = v > mx;
+      mx = greater ? v : mx;
+      idx = greater ? lane_index + (float)i : idx;  // float holds every index below 2^24 exactly
+      seen_nan |= v != v;
+    }
+    for (int j = 0; j < W; j++) {
+      nan |= seen_nan[j] != 0;
+      if (mx[j] > best || (mx[j] == best && (long)idx[j] < best_index)) {
+        best = mx[j];
+        best_index = (long)idx[j];
+      }
+    }
+  }
+  for (; i < n; i++) {
+    nan |= x[i] != x[i];
+    if (x[i] > best) {
+      best = x[i];
+      best_index = i;
+    }
+  }
+  if (nan)
+    for (long j = 0; j < n; j++)
+      if (x[j] != x[j]) return j;
+  return best_index;
+}

@@ -1,6 +1,7 @@
 """The CPU extension's fused elementwise ops (executor_svc/csrc) against the torch operators they replace in the
 model: the rotary embedding bit for bit, RMSNorm to the rounding of its sum of squares, SiLU-and-mul to that
-of its exp (on every instruction-set path), on strided rows, odd widths and batches of one to a prefill chunk."""
+of its exp (on every instruction-set path), on strided rows, odd widths and batches of one to a prefill chunk;
+the greedy argmax index for index, ties, infinities and NaNs included."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,44 @@ def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate):
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1000, 49152])
+def test_argmax_equals_torch_index_for_index(ops, isa, vocab):
+    torch.manual_seed(vocab)
+    rows = [torch.randn(vocab), torch.randint(0, 3, (vocab,)).float(),  # ties: the first one wins
+            torch.full((vocab,), float("-inf")), torch.full((vocab,), 2.0)]
+    for place in {0, vocab // 2, vocab - 1}:
+        inf, nan = torch.randn(vocab), torch.randn(vocab)
+        inf[place] = float("inf")
+        nan[place] = float("nan")
+        nan[vocab - 1 - place] = float("inf")  # a NaN is taken over an infinity, wherever it is
+        rows += [inf, nan]
+    logits = torch.stack(rows)
+    strided = torch.cat([logits, torch.zeros(len(rows), 3)], dim=1)[:, :vocab]
+    previous = ops.select_isa(isa)
+    try:
+        for x in (logits, strided):
+            assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+    finally:
+        ops.select_isa(previous)
+
+
+def test_sampler_greedy_takes_the_fused_argmax_and_falls_back_to_torch(ops):
+    from executor_svc.sampler import Sampler, SamplingBatch
+    from pagedserve.sampling_params import SamplingParams
+
+    logits = torch.randn(5, 300)
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * 5)
+    calls = []
+    sampler = Sampler(lambda x: calls.append(x) or ops.argmax(x))
+    assert torch.equal(sampler(logits, batch, [0] * 5).token_ids, logits.argmax(dim=-1))
+    assert len(calls) == 1
+    # Non-float32 logits are computed in float32 first; columns with a stride go to torch's argmax.
+    assert torch.equal(sampler(logits.bfloat16(), batch, [0] * 5).token_ids, logits.bfloat16().float().argmax(dim=-1))
+    assert torch.equal(sampler.greedy(logits.t().contiguous().t()), logits.argmax(dim=-1))
+    assert len(calls) == 2
+
+
 def test_rms_norm_leaves_other_dtypes_to_torch(ops):
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     reference, fused = RMSNorm(64, 1e-6).to(torch.bfloat16), RMSNorm(64, 1e-6, ops).to(torch.bfloat16)
@@ -78,5 +117,9 @@ def test_fused_ops_refuse_what_they_cannot_read(ops):
         ops.rotary(torch.ones(2, 12), torch.ones(2, 12), torch.ones(2, 5), torch.ones(2, 5), 5)
     with pytest.raises(RuntimeError, match="gate_up"):
         ops.silu_mul(torch.empty(2, 3), torch.ones(2, 7))
+    with pytest.raises(RuntimeError, match="logits"):
+        ops.argmax(torch.ones(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="logits"):
+        ops.argmax(torch.ones(2, 0))
     with pytest.raises(RuntimeError, match="cos and sin"):
         ops.rotary(torch.ones(2, 16), torch.ones(2, 8), torch.ones(2, 4), torch.ones(2, 8), 8)
