@@ -23,22 +23,35 @@ void check_rows(const at::Tensor& t, const char* name) {
               " is [T, N] float32 with contiguous rows");
 }
 
-// out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)), as LlamaRMSNorm computes it in float32.
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+// out[t] = weight * (h / sqrt(mean(h^2) + eps)) for h = x[t], as LlamaRMSNorm computes it in float32; with a
+// residual, h = residual[t] + x[t] is stored into residual first (the decoder's skip connection and the norm
+// after it in one pass, bit for bit what the add and then the norm give).
+void norm_rows(const at::Tensor& out, const at::Tensor* residual, const at::Tensor& x, const at::Tensor& weight,
+               double eps) {
   check_rows(x, "x");
   check_rows(out, "out");
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(out.size(0) == T && out.size(1) == H, "out has x's shape");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
               "weight is [N] float32");
+  if (residual != nullptr) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->size(0) == T && residual->size(1) == H, "residual has x's shape");
+  }
   const float* xp = x.data_ptr<float>();
+  float* rp = residual != nullptr ? residual->data_ptr<float>() : nullptr;
   const float* w = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0), os = out.stride(0);
+  const int64_t xs = x.stride(0), rs = residual != nullptr ? residual->stride(0) : 0, os = out.stride(0);
   const float epsf = (float)eps;
   at::parallel_for(0, T, grain(H), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
       const float* xr = xp + t * xs;
+      if (rp != nullptr) {
+        float* rr = rp + t * rs;
+        for (int64_t k = 0; k < H; k++) rr[k] += xr[k];
+        xr = rr;
+      }
       float* o = op + t * os;
       float partial[8] = {};  // eight running sums: the loop vectorises and its chains overlap
       int64_t i = 0;
@@ -51,6 +64,14 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
       for (int64_t k = 0; k < H; k++) o[k] = w[k] * (xr[k] * r);
     }
   });
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  norm_rows(out, nullptr, x, weight, eps);
+}
+
+void add_rms_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  norm_rows(out, &residual, x, weight, eps);
 }
 
 // In place on q [T, Hq * D] and k [T, Hk * D]: each head's x becomes x * cos + rotate_half(x) * sin, with
@@ -89,10 +110,12 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin, int head_dim) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
   m.impl("rotary", rotary);
 }

@@ -27,12 +27,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused_ops = fused_ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if self.fused_ops is not None and dtype == torch.float32:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(residual + x), residual + x), the sum written into residual on the
+        fused path: the skip connection and the next norm in one pass."""
+        fused = self.fused_ops is not None and x.dtype == torch.float32
+        if residual is not None:
+            if fused:
+                out = torch.empty_like(x)
+                self.fused_ops.add_rms_norm(out, residual, x, self.weight, self.eps)
+                return out, residual
+            residual = residual + x
+            return self.forward(residual), residual
+        if fused:
             out = torch.empty_like(x)
             self.fused_ops.rms_norm(out, x, self.weight, self.eps)
             return out
+        dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -109,9 +119,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.mlp = MLP(config, fused_ops)
 
-    def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next norm adds the two. residual is
+        None for the first layer, whose input is the stream itself."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = self.post_attention_layernorm(self.self_attn(normed, cos, sin, kv_cache, meta), residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -137,9 +153,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -47,6 +47,28 @@ def test_rms_norm_matches_torch_to_rounding(ops, num_tokens, hidden):
     torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (64, 576), (5, 100), (3, 7)])
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(ops, num_tokens, hidden):
+    torch.manual_seed(hidden)
+    x = (torch.randn(num_tokens, hidden + 3) * 4)[:, :hidden]  # strided rows
+    residual = torch.randn(num_tokens, hidden) * 4
+    norm = RMSNorm(hidden, 1e-5, ops)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden))
+        summed = residual + x
+        expected = norm(summed)
+        out, stream = norm(x, residual)
+    assert stream is residual and torch.equal(residual, summed)
+    assert torch.equal(out, expected)
+    # The torch path gives the same pair without writing into the residual.
+    reference, kept = RMSNorm(hidden, 1e-5), residual.clone()
+    with torch.no_grad():
+        reference.weight.copy_(norm.weight)
+        ref_out, ref_stream = reference(x, kept)
+    assert torch.equal(ref_stream, residual + x) and torch.equal(kept, residual)
+    torch.testing.assert_close(ref_out, reference(residual + x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("num_tokens,intermediate", [(1, 1536), (64, 1536), (700, 1536), (3, 37)])
 def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate):
@@ -117,6 +139,8 @@ def test_fused_ops_refuse_what_they_cannot_read(ops):
         ops.rotary(torch.ones(2, 12), torch.ones(2, 12), torch.ones(2, 5), torch.ones(2, 5), 5)
     with pytest.raises(RuntimeError, match="gate_up"):
         ops.silu_mul(torch.empty(2, 3), torch.ones(2, 7))
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.add_rms_norm(torch.empty(2, 8), torch.ones(3, 8), torch.ones(2, 8), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="logits"):
         ops.argmax(torch.ones(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="logits"):
