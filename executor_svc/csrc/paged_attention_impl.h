@@ -18,6 +18,22 @@ static inline V splat(float x) { return x - V{}; }
 static inline V load(const float* p) { return *(const V*)p; }
 static inline V load(const unsigned short* p) { return (V)(__builtin_convertvector(*(const VH*)p, VU) << 16); }
 static inline void store(float* p, V v) { *(V*)p = v; }
+// The bits of bfloat16(v), rounded to nearest even as torch rounds (a NaN becomes the quiet NaN 0x7fc0), in the
+// high halves of the lanes.
+static inline VU bf16_bits(V v) {
+  const VU u = (VU)v;
+  const VU rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? VU{} + 0x7fc00000u : rounded;
+}
+static inline void store(unsigned short* p, V v) { *(VH*)p = __builtin_convertvector(bf16_bits(v) >> 16, VH); }
+// v as the element type T holds it: rounded to bfloat16 for T = uint16_t, as it is for float.
+template <typename T>
+static inline V rounded(V v) {
+  if constexpr (sizeof(T) == 2)
+    return (V)bf16_bits(v);
+  else
+    return v;
+}
 static inline float to_float(float x) { return x; }
 static inline float to_float(unsigned short x) {
   unsigned u = (unsigned)x << 16;
@@ -466,17 +482,24 @@ static void run(const Args& a, const WorkItem& it) {
 // The MLP's SiLU-and-mul, one pass over rows [begin, end) of gu ([T, 2I]: gate, then up): out = gate / (1 +
 // exp(-gate)) * up, torch's arithmetic in its order with this file's exp. (It lives here for the vector
 // types and exp of each instruction set.)
-static void silu_mul_rows(const float* gu, long gu_stride, float* out, long out_stride, long begin, long end, int I) {
+// bfloat16: the SiLU rounded to bfloat16 before the product, as torch's two operators round it.
+template <typename T>
+static void silu_mul_rows(const T* gu, long gu_stride, T* out, long out_stride, long begin, long end, int I) {
   for (long t = begin; t < end; t++) {
-    const float* g = gu + t * gu_stride;
-    const float* u = g + I;
-    float* o = out + t * out_stride;
+    const T* g = gu + t * gu_stride;
+    const T* u = g + I;
+    T* o = out + t * out_stride;
     int i = 0;
     for (; i + W <= I; i += W) {
       const V x = load(g + i);
-      store(o + i, x / (1.f + vexp(-x)) * load(u + i));
+      store(o + i, rounded<T>(x / (1.f + vexp(-x))) * load(u + i));
     }
-    for (; i < I; i++) o[i] = g[i] / (1.f + vexp(splat(-g[i]))[0]) * u[i];
+    for (; i < I; i++) {
+      const float x = to_float(g[i]);
+      T silu;
+      from_float(x / (1.f + vexp(splat(-x))[0]), &silu);
+      from_float(to_float(silu) * to_float(u[i]), o + i);
+    }
   }
 }
 

@@ -5,9 +5,9 @@ Every token of a step, from every request, prefill chunks and decodes alike, is 
 apart, through the attention metadata. q/k/v and gate/up projections are fused into one matmul each.
 The arithmetic follows transformers' LlamaModel step for step (norms in float32, RoPE tables in float32
 cast to the model dtype) so that float32 logits agree to rounding. Given the CPU extension's fused ops
-(executor_svc/csrc), a float32 model runs each RMSNorm, each layer's rotary embedding and its MLP's
+(executor_svc/csrc), a float32 or bfloat16 model runs each RMSNorm, each layer's rotary embedding and its MLP's
 SiLU-and-mul as one of them rather than as several small torch operators, the same arithmetic in the same
-order (the exp of SiLU is the kernels' own).
+order, rounded where torch's operators round (the exp of SiLU is the kernels' own).
 """
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor_svc.model_config import ModelArchitecture
+
+# The dtypes the CPU extension's fused ops read and write.
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +33,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with a residual, (norm(residual + x), residual + x), the sum written into residual on the
         fused path: the skip connection and the next norm in one pass."""
-        fused = self.fused_ops is not None and x.dtype == torch.float32
+        fused = self.fused_ops is not None and x.dtype in FUSED_DTYPES
         if residual is not None:
             if fused:
                 out = torch.empty_like(x)
@@ -84,7 +87,7 @@ class Attention(nn.Module):
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.fused_ops is not None and q.dtype == torch.float32:
+        if self.fused_ops is not None and q.dtype in FUSED_DTYPES:
             self.fused_ops.rotary(q, k, cos, sin, self.head_dim)  # in place, in the projection's output
         else:
             q = _apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
@@ -103,7 +106,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_ops is not None and gate_up.dtype == torch.float32:
+        if self.fused_ops is not None and gate_up.dtype in FUSED_DTYPES:
             activated = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
             self.fused_ops.silu_mul(activated, gate_up)
             return self.down_proj(activated)

@@ -1,7 +1,7 @@
 """The CPU extension's fused elementwise ops (executor_svc/csrc) against the torch operators they replace in the
-model: the rotary embedding bit for bit, RMSNorm to the rounding of its sum of squares, SiLU-and-mul to that
-of its exp (on every instruction-set path), on strided rows, odd widths and batches of one to a prefill chunk;
-the greedy argmax index for index, ties, infinities and NaNs included."""
+model, in float32 and bfloat16: the rotary embedding bit for bit, RMSNorm to the rounding of its sum of squares,
+SiLU-and-mul to that of its exp (on every instruction-set path), on strided rows, odd widths and batches of one
+to a prefill chunk; the greedy argmax index for index, ties, infinities and NaNs included."""
 from __future__ import annotations
 
 import pytest
@@ -18,13 +18,22 @@ def ops():
     return load_extension()
 
 
+def assert_within_one_rounding(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """bfloat16 results whose float32 work rounded differently (a sum's order, an exp) may land one bfloat16 step
+    apart, rarely; everything else is equal."""
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-30)
+    assert (got == expected).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim", [(1, 9, 3, 64), (37, 4, 1, 128), (300, 6, 6, 16)])
 def test_rotary_equals_torch_bit_for_bit_in_place_in_the_projection_output(ops, num_tokens, num_heads,
-                                                                            num_kv_heads, head_dim):
+                                                                            num_kv_heads, head_dim, dtype):
     torch.manual_seed(num_tokens)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size)
-    table = torch.randn(num_tokens, 1, head_dim), torch.randn(num_tokens, 1, head_dim)
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size).to(dtype)
+    table = torch.randn(num_tokens, 1, head_dim).to(dtype), torch.randn(num_tokens, 1, head_dim).to(dtype)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     expected_q = _apply_rotary(q.view(num_tokens, num_heads, head_dim), *table).reshape(num_tokens, -1)
     expected_k = _apply_rotary(k.view(num_tokens, num_kv_heads, head_dim), *table).reshape(num_tokens, -1)
@@ -34,25 +43,30 @@ def test_rotary_equals_torch_bit_for_bit_in_place_in_the_projection_output(ops, 
     assert torch.equal(v, v_before)  # the rest of the row is left alone
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (64, 576), (2048, 576), (5, 100), (3, 7)])
-def test_rms_norm_matches_torch_to_rounding(ops, num_tokens, hidden):
+def test_rms_norm_matches_torch_to_rounding(ops, num_tokens, hidden, dtype):
     torch.manual_seed(hidden)
-    x = torch.randn(num_tokens, hidden + 3)[:, :hidden] * 4  # strided rows
-    reference, fused = RMSNorm(hidden, 1e-5), RMSNorm(hidden, 1e-5, ops)
+    x = (torch.randn(num_tokens, hidden + 3) * 4).to(dtype)[:, :hidden]  # strided rows
+    reference, fused = RMSNorm(hidden, 1e-5).to(dtype), RMSNorm(hidden, 1e-5, ops).to(dtype)
     with torch.no_grad():
         reference.weight.normal_()
         fused.weight.copy_(reference.weight)
         expected, got = reference(x), fused(x)
     assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    if dtype == torch.bfloat16:
+        assert_within_one_rounding(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (64, 576), (5, 100), (3, 7)])
-def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(ops, num_tokens, hidden):
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(ops, num_tokens, hidden, dtype):
     torch.manual_seed(hidden)
-    x = (torch.randn(num_tokens, hidden + 3) * 4)[:, :hidden]  # strided rows
-    residual = torch.randn(num_tokens, hidden) * 4
-    norm = RMSNorm(hidden, 1e-5, ops)
+    x = (torch.randn(num_tokens, hidden + 3) * 4).to(dtype)[:, :hidden]  # strided rows
+    residual = (torch.randn(num_tokens, hidden) * 4).to(dtype)
+    norm = RMSNorm(hidden, 1e-5, ops).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(hidden))
         summed = residual + x
@@ -61,7 +75,7 @@ def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(ops, num_tokens, hidd
     assert stream is residual and torch.equal(residual, summed)
     assert torch.equal(out, expected)
     # The torch path gives the same pair without writing into the residual.
-    reference, kept = RMSNorm(hidden, 1e-5), residual.clone()
+    reference, kept = RMSNorm(hidden, 1e-5).to(dtype), residual.clone()
     with torch.no_grad():
         reference.weight.copy_(norm.weight)
         ref_out, ref_stream = reference(x, kept)
@@ -69,20 +83,24 @@ def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(ops, num_tokens, hidd
     torch.testing.assert_close(ref_out, reference(residual + x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("num_tokens,intermediate", [(1, 1536), (64, 1536), (700, 1536), (3, 37)])
-def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate):
+def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate, dtype):
     torch.manual_seed(intermediate)
     # Strided rows, and values from far below to far above where SiLU saturates.
-    gate_up = (torch.randn(num_tokens, 2 * intermediate + 5) * 30)[:, :2 * intermediate]
+    gate_up = (torch.randn(num_tokens, 2 * intermediate + 5) * 30).to(dtype)[:, :2 * intermediate]
     gate, up = gate_up.split(intermediate, dim=-1)
-    out = torch.empty(num_tokens, intermediate)
+    out = torch.empty(num_tokens, intermediate, dtype=dtype)
     previous = ops.select_isa(isa)
     try:
         ops.silu_mul(out, gate_up)
     finally:
         ops.select_isa(previous)
-    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+    if dtype == torch.bfloat16:
+        assert_within_one_rounding(out, F.silu(gate) * up)
+    else:
+        torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
 
 
 @pytest.mark.parametrize("isa", supported_isas())
@@ -124,8 +142,8 @@ def test_sampler_greedy_takes_the_fused_argmax_and_falls_back_to_torch(ops):
 
 
 def test_rms_norm_leaves_other_dtypes_to_torch(ops):
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
-    reference, fused = RMSNorm(64, 1e-6).to(torch.bfloat16), RMSNorm(64, 1e-6, ops).to(torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.float64)
+    reference, fused = RMSNorm(64, 1e-6).to(torch.float64), RMSNorm(64, 1e-6, ops).to(torch.float64)
     with torch.no_grad():
         assert torch.equal(reference(x), fused(x))
 
@@ -147,3 +165,15 @@ def test_fused_ops_refuse_what_they_cannot_read(ops):
         ops.argmax(torch.ones(2, 0))
     with pytest.raises(RuntimeError, match="cos and sin"):
         ops.rotary(torch.ones(2, 16), torch.ones(2, 8), torch.ones(2, 4), torch.ones(2, 8), 8)
+    # Every tensor of a call in one dtype: a bfloat16 row is not read as float32 bits, nor written as them.
+    bf16 = torch.ones(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.rms_norm(torch.empty(2, 8), bf16, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(torch.empty_like(bf16), bf16, torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.add_rms_norm(torch.empty_like(bf16), torch.ones(2, 8), bf16, torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        ops.rotary(torch.ones(2, 16, dtype=torch.bfloat16), bf16, torch.ones(2, 8), torch.ones(2, 8), 8)
+    with pytest.raises(RuntimeError, match="out"):
+        ops.silu_mul(torch.empty(2, 4), torch.ones(2, 8, dtype=torch.bfloat16))
