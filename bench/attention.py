@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
-    parser.add_argument("--isa", default="auto", choices=["auto", "avx512", "avx2", "baseline"],
+    parser.add_argument("--isa", default="auto", choices=["auto", "avx512_bf16", "avx512", "avx2", "baseline"],
                         help="the kernels' instruction-set path")
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=512)

@@ -5,7 +5,8 @@ executor_svc/models).
 
 The extension is compiled by torch's cpp_extension on first use (g++ and ninja) and cached under torch's
 extensions directory (TORCH_EXTENSIONS_DIR), keyed by the sources; later starts only load it. The kernels
-pick AVX-512, AVX2 + FMA or a baseline path at run time from the CPU's flags.
+pick AVX-512 (with AVX512-BF16's dot products for bfloat16 caches where the CPU has them), AVX2 + FMA or a
+baseline path at run time from the CPU's flags.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "fused_cpu.cpp")
 DEPENDS = (CSRC / "paged_attention_impl.h",)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256
-ISAS = ("avx512", "avx2", "baseline")
+ISAS = ("avx512_bf16", "avx512", "avx2", "baseline")
 
 
 @functools.cache
@@ -91,7 +92,7 @@ class CpuPagedAttention:
 
     @staticmethod
     def isa() -> str:
-        """The instruction-set path the kernels run: avx512, avx2 or baseline."""
+        """The instruction-set path the kernels run: avx512_bf16, avx512, avx2 or baseline."""
         return load_extension().active_isa()
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> CpuAttentionMetadata:

@@ -3,7 +3,11 @@
 // One work item is (sequence, KV head, a run of that head's query rows): the rows of the G query heads that
 // share the KV head are served by one pass over its blocks (GQA). Softmax is online, in float32. Items run on
 // torch's OpenMP threads, heaviest first with dynamic scheduling. The instruction set is picked at run time
-// (AVX-512, AVX2 + FMA, or the baseline ISA with 128-bit vectors) from what the CPU reports; select_isa forces one for tests.
+// (AVX-512 with its bfloat16 dot products, AVX-512, AVX2 + FMA, or the baseline ISA with 128-bit vectors) from
+// what the CPU reports; select_isa forces one for tests.
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -58,6 +62,20 @@ constexpr int DOT_ROW_BLOCK = 4;   // query rows a dot-product step serves at on
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
+// The same with AVX512-BF16: bfloat16 caches take their score products (and a prefill's value products) as
+// bfloat16 pairs, two per float32 lane and instruction (PAGED_BF16_DOT in the header).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
+#define PAGED_BF16_DOT 1
+namespace isa_avx512_bf16 {
+constexpr int W = 16;
+constexpr int ROWS_KEY_CHUNK = 8;
+constexpr int DOT_ROW_BLOCK = 4;
+#include "paged_attention_impl.h"
+}  // namespace isa_avx512_bf16
+#undef PAGED_BF16_DOT
+#pragma GCC pop_options
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace isa_avx2 {
@@ -78,13 +96,15 @@ constexpr int DOT_ROW_BLOCK = 3;
 
 namespace {
 
-enum class Isa { baseline, avx2, avx512 };
+enum class Isa { baseline, avx2, avx512, avx512_bf16 };
 
 bool supported(Isa isa) {
 #if !defined(__x86_64__)
   return isa == Isa::baseline;
 #else
   switch (isa) {
+    case Isa::avx512_bf16:
+      return supported(Isa::avx512) && __builtin_cpu_supports("avx512bf16");
     case Isa::avx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -97,19 +117,27 @@ bool supported(Isa isa) {
 #endif
 }
 
-Isa best_isa() { return supported(Isa::avx512) ? Isa::avx512 : supported(Isa::avx2) ? Isa::avx2 : Isa::baseline; }
+Isa best_isa() {
+  for (Isa isa : {Isa::avx512_bf16, Isa::avx512, Isa::avx2})
+    if (supported(isa)) return isa;
+  return Isa::baseline;
+}
 
 Isa current_isa = best_isa();
 
-const char* isa_name(Isa isa) { return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "baseline"; }
+const char* isa_name(Isa isa) {
+  return isa == Isa::avx512_bf16 ? "avx512_bf16" : isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "baseline";
+}
 
-int vector_width(Isa isa) { return isa == Isa::avx512 ? 16 : isa == Isa::avx2 ? 8 : 4; }
+int vector_width(Isa isa) { return isa == Isa::avx512_bf16 || isa == Isa::avx512 ? 16 : isa == Isa::avx2 ? 8 : 4; }
 
 std::string select_isa(const std::string& name) {
   std::string previous = isa_name(current_isa);
   Isa isa;
   if (name == "auto")
     isa = best_isa();
+  else if (name == "avx512_bf16")
+    isa = Isa::avx512_bf16;
   else if (name == "avx512")
     isa = Isa::avx512;
   else if (name == "avx2")
@@ -117,7 +145,7 @@ std::string select_isa(const std::string& name) {
   else if (name == "baseline")
     isa = Isa::baseline;
   else
-    TORCH_CHECK(false, "unknown instruction set ", name, "; choose auto, avx512, avx2 or baseline");
+    TORCH_CHECK(false, "unknown instruction set ", name, "; choose auto, avx512_bf16, avx512, avx2 or baseline");
   TORCH_CHECK(supported(isa), "this CPU cannot run the ", name, " path");
   current_isa = isa;
   return previous;
@@ -183,7 +211,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (long i = 0; i < num_items; i++) {
 #if defined(__x86_64__)
-    if (isa == Isa::avx512)
+    if (isa == Isa::avx512_bf16)
+      isa_avx512_bf16::run(a, it[i]);
+    else if (isa == Isa::avx512)
       isa_avx512::run(a, it[i]);
     else if (isa == Isa::avx2)
       isa_avx2::run(a, it[i]);
@@ -205,7 +235,7 @@ void silu_mul_as(at::Tensor& out, const at::Tensor& gu) {
   // A decode step's few rows stay on one thread, where waking the others would cost more.
   at::parallel_for(0, T_, std::max<long>(1, (1 << 15) / std::max(I, 1)), [&](int64_t begin, int64_t end) {
 #if defined(__x86_64__)
-    if (isa == Isa::avx512)
+    if (isa == Isa::avx512 || isa == Isa::avx512_bf16)
       isa_avx512::silu_mul_rows(g, gs, o, os, begin, end, I);
     else if (isa == Isa::avx2)
       isa_avx2::silu_mul_rows(g, gs, o, os, begin, end, I);
@@ -240,7 +270,7 @@ at::Tensor argmax(const at::Tensor& logits) {
   at::parallel_for(0, T, std::max<long>(1, (1 << 15) / N), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
 #if defined(__x86_64__)
-      if (isa == Isa::avx512)
+      if (isa == Isa::avx512 || isa == Isa::avx512_bf16)
         o[t] = isa_avx512::argmax_row(x + t * stride, N);
       else if (isa == Isa::avx2)
         o[t] = isa_avx2::argmax_row(x + t * stride, N);

@@ -34,6 +34,25 @@ static inline V rounded(V v) {
   else
     return v;
 }
+
+#if defined(PAGED_BF16_DOT)
+typedef unsigned VUA __attribute__((vector_size(W * 4), aligned(2)));  // bfloat16 pairs at any even address
+// acc plus, in lane i, x[2i] * y[2i] + x[2i + 1] * y[2i + 1] for the bfloat16 pairs in the lanes of x and y: the
+// products exact, summed in float32 (AVX512-BF16's VDPBF16PS, which counts inputs below 2^-126 as zero).
+static inline V dot_pairs(V acc, VU x, VU y) { return (V)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)y); }
+static inline VU load_pairs(const unsigned short* p) { return (VU)(*(const VUA*)p); }
+// Lane i: bfloat16(lo[i]) in the low half, bfloat16(hi[i]) in the high half.
+static inline VU pack_pairs(V lo, V hi) { return (bf16_bits(lo) >> 16) | bf16_bits(hi); }
+#endif
+// Whether T's scores (and a prefill's value products) go through dot_pairs: bfloat16 where it is compiled in.
+template <typename T>
+constexpr bool pairs_path() {
+#if defined(PAGED_BF16_DOT)
+  return sizeof(T) == 2;
+#else
+  return false;
+#endif
+}
 static inline float to_float(float x) { return x; }
 static inline float to_float(unsigned short x) {
   unsigned u = (unsigned)x << 16;
@@ -194,8 +213,11 @@ static inline V sum_keys(V* p) {
 // independent, so that neither the loads nor one row's latency bound the tile. With `prefetch` (the first
 // block of rows over the tile), the tile's values are fetched into L1 while its scores are computed, and the
 // next tile's keys (next_kp, unless null) while the values are applied, a row per key.
+// With qb (bfloat16 through dot_pairs, D a multiple of 2W), the scores are those of qb's unscaled rows, scaled
+// after the sums; otherwise of qs's, scaled already.
 template <typename T, int HEAD_DIM, int NR>
-static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DIM], float (*acc)[MAX_HEAD_DIM],
+static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DIM],
+                            const unsigned short (*qb)[MAX_HEAD_DIM], float scale, float (*acc)[MAX_HEAD_DIM],
                             float* m, float* l, const int* pos, const T* const* kp, const T* const* vp,
                             const T* const* next_kp, bool prefetch) {
   constexpr int TK = KEY_TILE, KB = dot_keys<NR>(), PV = pv_vecs<NR>();
@@ -208,6 +230,18 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
     V dots[NR][KB];
     for (int r = 0; r < NR; r++)
       for (int j = 0; j < KB; j++) dots[r][j] = V{};
+#if defined(PAGED_BF16_DOT)
+    if (qb != nullptr) {
+      for (int d = 0; d < D; d += 2 * W) {
+        VU qv[NR];
+        for (int r = 0; r < NR; r++) qv[r] = load_pairs(&qb[r][d]);
+        for (int j = 0; j < KB; j++) {
+          const VU k = load_pairs((const unsigned short*)kp[jj + j] + d);
+          for (int r = 0; r < NR; r++) dots[r][j] = dot_pairs(dots[r][j], qv[r], k);
+        }
+      }
+    } else
+#endif
     for (int d = 0; d < D; d += W) {
       V qv[NR];
       for (int r = 0; r < NR; r++) qv[r] = load(&qs[r][d]);
@@ -220,6 +254,7 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
     for (int j = 0; j < W; j++) key_pos[j] += (float)j;
     for (int r = 0; r < NR; r++) {
       V scores = sum_keys<KB>(dots[r]);
+      if (qb != nullptr) scores *= scale;
       store(&pw[r][jj], key_pos > splat((float)pos[r]) ? splat(-__builtin_inff()) : scores);
     }
   }
@@ -282,7 +317,10 @@ static void attend_dot(const Args& a, const WorkItem& it) {
   const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
   const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
   const T* q = (const T*)a.query;
+  // bfloat16 pairs need whole pairs of vectors along head_dim.
+  const bool pairs = pairs_path<T>() && D % (2 * W) == 0;
   alignas(64) float qs[MAX_DOT_ROWS][MAX_HEAD_DIM];
+  alignas(64) unsigned short qb[pairs_path<T>() ? MAX_DOT_ROWS : 1][MAX_HEAD_DIM];
   alignas(64) float acc[MAX_DOT_ROWS][MAX_HEAD_DIM];
   float m[MAX_DOT_ROWS], l[MAX_DOT_ROWS];
   int pos[MAX_DOT_ROWS];
@@ -290,7 +328,10 @@ static void attend_dot(const Args& a, const WorkItem& it) {
   for (int r = 0; r < rows; r++) {
     const int row = it.row0 + r;
     const T* src = q + (long)(q0 + row / G) * a.query_stride + (h * G + row % G) * D;
-    for (int d = 0; d < D; d++) qs[r][d] = to_float(src[d]) * a.scale;
+    if (pairs)
+      __builtin_memcpy(qb[r], src, D * sizeof(T));
+    else
+      for (int d = 0; d < D; d++) qs[r][d] = to_float(src[d]) * a.scale;
     for (int d = 0; d < D; d++) acc[r][d] = 0.f;
     m[r] = -__builtin_inff();
     l[r] = 0.f;
@@ -317,17 +358,17 @@ static void attend_dot(const Args& a, const WorkItem& it) {
       const T* const* prefetch_keys = more ? next_kp : nullptr;
       switch (nr) {
         case 1:
-          dot_tile<T, HEAD_DIM, 1>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
+          dot_tile<T, HEAD_DIM, 1>(D, j0, nk, pairs ? nullptr : qs + r0, pairs ? qb + r0 : nullptr, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         case 2:
-          dot_tile<T, HEAD_DIM, 2>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
+          dot_tile<T, HEAD_DIM, 2>(D, j0, nk, pairs ? nullptr : qs + r0, pairs ? qb + r0 : nullptr, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         case 3:
-          dot_tile<T, HEAD_DIM, 3>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
+          dot_tile<T, HEAD_DIM, 3>(D, j0, nk, pairs ? nullptr : qs + r0, pairs ? qb + r0 : nullptr, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         default:
           if constexpr (DOT_ROW_BLOCK >= 4)
-            dot_tile<T, HEAD_DIM, 4>(D, j0, nk, qs + r0, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
+            dot_tile<T, HEAD_DIM, 4>(D, j0, nk, pairs ? nullptr : qs + r0, pairs ? qb + r0 : nullptr, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
       }
       r0 += nr;
     }
@@ -351,23 +392,33 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
   const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
   const T* q = (const T*)a.query;
-  alignas(64) float qt[MAX_HEAD_DIM][RT];
+  // bfloat16 through dot_pairs: the queries (unscaled) as pairs along head_dim, the weights as pairs along the
+  // keys against the values' pairs (vt), with no float32 copies of K and V.
+  constexpr bool PAIRS = pairs_path<T>();
+  alignas(64) float qt[PAIRS ? 1 : MAX_HEAD_DIM][RT];
+  alignas(64) unsigned qp[PAIRS ? MAX_HEAD_DIM / 2 : 1][RT];
   alignas(64) float acc[MAX_HEAD_DIM][RT];
   alignas(64) float pw[TK][RT];  // a tile's scores, then its softmax weights
+  alignas(64) unsigned pp[PAIRS ? TK / 2 : 1][RT];  // the weights of keys 2j and 2j + 1 as bfloat16 pairs
+  alignas(64) unsigned vt[PAIRS ? TK / 2 : 1][MAX_HEAD_DIM];  // values of keys 2j and 2j + 1 as pairs
   alignas(64) float posf[RT];
-  alignas(64) float kbuf[sizeof(T) == 4 ? 1 : TK * MAX_HEAD_DIM];
-  alignas(64) float vbuf[sizeof(T) == 4 ? 1 : TK * MAX_HEAD_DIM];
+  alignas(64) float kbuf[sizeof(T) == 4 || PAIRS ? 1 : TK * MAX_HEAD_DIM];
+  alignas(64) float vbuf[sizeof(T) == 4 || PAIRS ? 1 : TK * MAX_HEAD_DIM];
   const int rows = it.rows;
   for (int i = 0; i < RT; i++) {
     const int row = it.row0 + i;
-    if (i < rows) {
-      const T* src = q + (long)(q0 + row / G) * a.query_stride + (h * G + row % G) * D;
-      for (int d = 0; d < D; d++) qt[d][i] = to_float(src[d]) * a.scale;
-      posf[i] = (float)(first_pos + row / G);
-    } else {  // padding rows see every key (no empty softmax) and are never written
-      for (int d = 0; d < D; d++) qt[d][i] = 0.f;
-      posf[i] = 3e38f;
+    const T* src = q + (long)(q0 + row / G) * a.query_stride + (h * G + row % G) * D;
+    // Padding rows see every key (no empty softmax) and are never written.
+    if constexpr (PAIRS) {
+      for (int d = 0; d < D; d += 2) {
+        unsigned pair = 0;
+        if (i < rows) __builtin_memcpy(&pair, src + d, 4);
+        qp[d / 2][i] = pair;
+      }
+    } else {
+      for (int d = 0; d < D; d++) qt[d][i] = i < rows ? to_float(src[d]) * a.scale : 0.f;
     }
+    posf[i] = i < rows ? (float)(first_pos + row / G) : 3e38f;
   }
   for (int d = 0; d < D; d++)
     for (int i = 0; i < RT; i++) acc[d][i] = 0.f;
@@ -387,12 +438,30 @@ static void attend_rows(const Args& a, const WorkItem& it) {
     chunk_rows(a, s, h, j0, TK, key_end, kp, vp);
     const float* kf[TK];
     const float* vf[TK];
-    float_rows(kp, nc, D, kbuf, kf);
-    float_rows(vp, nk, D, vbuf, vf);
+    if constexpr (!PAIRS) {
+      float_rows(kp, nc, D, kbuf, kf);
+      float_rows(vp, nk, D, vbuf, vf);
+    }
     for (int jc = 0; jc < nc; jc += KC) {
       V sc[KC][RV];
       for (int j = 0; j < KC; j++)
         for (int v = 0; v < RV; v++) sc[j][v] = V{};
+#if defined(PAGED_BF16_DOT)
+      if constexpr (PAIRS) {
+        for (int d = 0; d < D; d += 2) {
+          VU qv[RV];
+          for (int v = 0; v < RV; v++) qv[v] = *(const VU*)&qp[d / 2][v * W];
+          for (int j = 0; j < KC; j++) {
+            unsigned pair;
+            __builtin_memcpy(&pair, kp[jc + j] + d, 4);
+            const VU k = VU{} + pair;
+            for (int v = 0; v < RV; v++) sc[j][v] = dot_pairs(sc[j][v], qv[v], k);
+          }
+        }
+        for (int j = 0; j < KC; j++)
+          for (int v = 0; v < RV; v++) sc[j][v] *= a.scale;
+      } else
+#endif
       for (int d = 0; d < D; d++) {
         V qv[RV];
         for (int v = 0; v < RV; v++) qv[v] = load(&qt[d][v * W]);
@@ -426,6 +495,45 @@ static void attend_rows(const Args& a, const WorkItem& it) {
       l[v] = l[v] * alpha[v] + sum;
       m[v] = m_new;
     }
+#if defined(PAGED_BF16_DOT)
+    if constexpr (PAIRS) {
+      // The weights rounded to bfloat16 (as torch's CPU flash attention rounds them for this product), keys
+      // 2j and 2j + 1 in a lane, a key past nk weighing nothing; the values interleaved to match, head_dim
+      // W at a time (vp rows from nk on are zeros).
+      const int np = (nk + 1) / 2;
+      for (int j = 0; j < np; j++)
+        for (int v = 0; v < RV; v++) {
+          const V hi = 2 * j + 1 < nk ? load(&pw[2 * j + 1][v * W]) : V{};
+          *(VU*)&pp[j][v * W] = pack_pairs(load(&pw[2 * j][v * W]), hi);
+        }
+      for (int j = 0; j < np; j++) {
+        const unsigned short* v0 = (const unsigned short*)vp[2 * j];
+        const unsigned short* v1 = (const unsigned short*)vp[2 * j + 1];
+        for (int d = 0; d < D; d += W) {
+          const VU lo = __builtin_convertvector(*(const VH*)(v0 + d), VU);
+          const VU hi = __builtin_convertvector(*(const VH*)(v1 + d), VU);
+          *(VU*)&vt[j][d] = lo | (hi << 16);
+        }
+      }
+      // Four head_dim positions at a time: 4 x RV independent accumulators, each taking a pair of keys a step.
+      for (int d = 0; d < D; d += 4) {
+        V o[4][RV];
+        for (int u = 0; u < 4; u++)
+          for (int v = 0; v < RV; v++) o[u][v] = load(&acc[d + u][v * W]) * alpha[v];
+        for (int j = 0; j < np; j++) {
+          VU p[RV];
+          for (int v = 0; v < RV; v++) p[v] = *(const VU*)&pp[j][v * W];
+          for (int u = 0; u < 4; u++) {
+            const VU val = VU{} + vt[j][d + u];
+            for (int v = 0; v < RV; v++) o[u][v] = dot_pairs(o[u][v], p[v], val);
+          }
+        }
+        for (int u = 0; u < 4; u++)
+          for (int v = 0; v < RV; v++) store(&acc[d + u][v * W], o[u][v]);
+      }
+      continue;
+    }
+#endif
     // Four head_dim positions at a time: 4 x RV independent accumulators, each taking one FMA per key.
     for (int d = 0; d < D; d += 4) {
       V o[4][RV];
@@ -480,9 +588,9 @@ static void run(const Args& a, const WorkItem& it) {
 }
 
 // The MLP's SiLU-and-mul, one pass over rows [begin, end) of gu ([T, 2I]: gate, then up): out = gate / (1 +
-// exp(-gate)) * up, torch's arithmetic in its order with this file's exp. (It lives here for the vector
-// types and exp of each instruction set.)
-// bfloat16: the SiLU rounded to bfloat16 before the product, as torch's two operators round it.
+// exp(-gate)) * up, torch's arithmetic in its order with this file's exp; in bfloat16 the SiLU is rounded to
+// bfloat16 before the product, as torch's two operators round it. (It lives here for the vector types and exp
+// of each instruction set.)
 template <typename T>
 static void silu_mul_rows(const T* gu, long gu_stride, T* out, long out_stride, long begin, long end, int I) {
   for (long t = begin; t < end; t++) {

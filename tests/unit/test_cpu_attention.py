@@ -57,6 +57,7 @@ def test_every_path_this_cpu_reports_is_available():
     assert "baseline" in ISAS
     assert ("avx2" in ISAS) == ("avx2" in flags and "fma" in flags)
     assert ("avx512" in ISAS) == all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    assert ("avx512_bf16" in ISAS) == ("avx512" in ISAS and "avx512_bf16" in flags)
     with pytest.raises(RuntimeError, match="unknown instruction set"):
         load_extension().select_isa("sse9")
 
