@@ -223,17 +223,20 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
-// out [T, I] = silu(gate) * up for gu [T, 2I] = (gate, up), float32 or bfloat16 (rows may be strided).
-template <typename T>
-void silu_mul_as(at::Tensor& out, const at::Tensor& gu) {
-  const long T_ = gu.size(0);
+// out [T, I] = silu(gate) * up for gu [T, 2I] = (gate, up), float32 (rows may be strided).
+void silu_mul(at::Tensor out, const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0 && gu.scalar_type() == at::kFloat,
+              "gate_up is [T, 2 * I] float32 with contiguous rows");
+  const long T = gu.size(0);
   const int I = gu.size(1) / 2;
-  const T* g = (const T*)gu.data_ptr();
-  T* o = (T*)out.data_ptr();
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == I && out.stride(1) == 1 &&
+              out.scalar_type() == at::kFloat, "out is [T, I] float32 with contiguous rows");
+  const float* g = gu.data_ptr<float>();
+  float* o = out.data_ptr<float>();
   const long gs = gu.stride(0), os = out.stride(0);
   const Isa isa = current_isa;
   // A decode step's few rows stay on one thread, where waking the others would cost more.
-  at::parallel_for(0, T_, std::max<long>(1, (1 << 15) / std::max(I, 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, std::max<long>(1, (1 << 15) / std::max(I, 1)), [&](int64_t begin, int64_t end) {
 #if defined(__x86_64__)
     if (isa == Isa::avx512 || isa == Isa::avx512_bf16)
       isa_avx512::silu_mul_rows(g, gs, o, os, begin, end, I);
@@ -243,18 +246,6 @@ void silu_mul_as(at::Tensor& out, const at::Tensor& gu) {
 #endif
       isa_baseline::silu_mul_rows(g, gs, o, os, begin, end, I);
   });
-}
-
-void silu_mul(at::Tensor out, const at::Tensor& gu) {
-  const bool bf16 = gu.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0 && (bf16 || gu.scalar_type() == at::kFloat),
-              "gate_up is [T, 2 * I] float32 or bfloat16 with contiguous rows");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == gu.size(0) && out.size(1) == gu.size(1) / 2 && out.stride(1) == 1 &&
-              out.scalar_type() == gu.scalar_type(), "out is [T, I] in gate_up's dtype with contiguous rows");
-  if (bf16)
-    silu_mul_as<unsigned short>(out, gu);
-  else
-    silu_mul_as<float>(out, gu);
 }
 
 // The greedy token of each row of logits [T, N] float32: torch's argmax(dim=-1) (the first largest, a NaN
@@ -316,6 +307,30 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
 }
 
 }  // namespace
+
+// fused_cpu.cpp's bfloat16 loops, on this CPU's widest vectors (declared there).
+#if defined(__x86_64__)
+#define PAGED_FOR_ISA(call)                                                   \
+  if (current_isa == Isa::avx512 || current_isa == Isa::avx512_bf16)         \
+    isa_avx512::call;                                                         \
+  else if (current_isa == Isa::avx2)                                          \
+    isa_avx2::call;                                                           \
+  else                                                                        \
+    isa_baseline::call
+#else
+#define PAGED_FOR_ISA(call) isa_baseline::call
+#endif
+
+void norm_bf16_rows(uint16_t* out, long out_stride, uint16_t* residual, long residual_stride, const uint16_t* x,
+                    long x_stride, const uint16_t* weight, long begin, long end, int H, float eps) {
+  PAGED_FOR_ISA(norm_bf16_rows(out, out_stride, residual, residual_stride, x, x_stride, weight, begin, end, H, eps));
+}
+
+void rotary_bf16_rows(uint16_t* q, long q_stride, uint16_t* k, long k_stride, const uint16_t* cos,
+                      const uint16_t* sin, long begin, long end, int hq, int hk, int D) {
+  PAGED_FOR_ISA(rotary_bf16_rows(q, q_stride, k, k_stride, cos, sin, begin, end, hq, hk, D));
+}
+#undef PAGED_FOR_ISA
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor query_start, "

@@ -588,25 +588,80 @@ static void run(const Args& a, const WorkItem& it) {
 }
 
 // The MLP's SiLU-and-mul, one pass over rows [begin, end) of gu ([T, 2I]: gate, then up): out = gate / (1 +
-// exp(-gate)) * up, torch's arithmetic in its order with this file's exp; in bfloat16 the SiLU is rounded to
-// bfloat16 before the product, as torch's two operators round it. (It lives here for the vector types and exp
-// of each instruction set.)
-template <typename T>
-static void silu_mul_rows(const T* gu, long gu_stride, T* out, long out_stride, long begin, long end, int I) {
+// exp(-gate)) * up, torch's arithmetic in its order with this file's exp. (It lives here for the vector
+// types and exp of each instruction set.)
+static void silu_mul_rows(const float* gu, long gu_stride, float* out, long out_stride, long begin, long end, int I) {
   for (long t = begin; t < end; t++) {
-    const T* g = gu + t * gu_stride;
-    const T* u = g + I;
-    T* o = out + t * out_stride;
+    const float* g = gu + t * gu_stride;
+    const float* u = g + I;
+    float* o = out + t * out_stride;
     int i = 0;
     for (; i + W <= I; i += W) {
       const V x = load(g + i);
-      store(o + i, rounded<T>(x / (1.f + vexp(-x))) * load(u + i));
+      store(o + i, x / (1.f + vexp(-x)) * load(u + i));
     }
-    for (; i < I; i++) {
-      const float x = to_float(g[i]);
-      T silu;
-      from_float(x / (1.f + vexp(splat(-x))[0]), &silu);
-      from_float(to_float(silu) * to_float(u[i]), o + i);
+    for (; i < I; i++) o[i] = g[i] / (1.f + vexp(splat(-g[i]))[0]) * u[i];
+  }
+}
+
+// bfloat16 values rounded to bfloat16 (a value as float32 whose low half is zero).
+static inline V round_bf16(V v) { return rounded<unsigned short>(v); }
+static inline float round_bf16(float x) {
+  unsigned short bits;
+  from_float(x, &bits);
+  return to_float(bits);
+}
+
+// fused_cpu.cpp's RMSNorm (with its skip connection when residual is given) on bfloat16 rows [begin, end):
+// h = residual + x rounded and stored into residual, out = weight * (h * r) with h * r rounded, as torch
+// rounds each operator's result; r = 1 / sqrt(mean(h^2) + eps), the sum of squares in float32 lanes.
+static void norm_bf16_rows(unsigned short* out, long os, unsigned short* residual, long rs, const unsigned short* x,
+                           long xs, const unsigned short* w, long begin, long end, int H, float eps) {
+  for (long t = begin; t < end; t++) {
+    const unsigned short* h = x + t * xs;
+    if (residual != nullptr) {
+      unsigned short* rr = residual + t * rs;
+      int i = 0;
+      for (; i + W <= H; i += W) store(rr + i, load(rr + i) + load(h + i));
+      for (; i < H; i++) from_float(to_float(rr[i]) + to_float(h[i]), rr + i);
+      h = rr;
+    }
+    V squares = V{};
+    int i = 0;
+    for (; i + W <= H; i += W) {
+      const V v = load(h + i);
+      squares += v * v;
+    }
+    float sum = hsum(squares);
+    for (; i < H; i++) sum += to_float(h[i]) * to_float(h[i]);
+    const float r = 1.f / __builtin_sqrtf(sum / (float)H + eps);
+    unsigned short* o = out + t * os;
+    for (i = 0; i + W <= H; i += W) store(o + i, load(w + i) * round_bf16(load(h + i) * r));
+    for (; i < H; i++) from_float(to_float(w[i]) * round_bf16(to_float(h[i]) * r), o + i);
+  }
+}
+
+// fused_cpu.cpp's rotary embedding on bfloat16 rows [begin, end) of q and k, in place: x * cos and
+// rotate_half(x) * sin each rounded, then their sum.
+static void rotary_bf16_rows(unsigned short* q, long qs, unsigned short* k, long ks, const unsigned short* cos,
+                             const unsigned short* sin, long begin, long end, int hq, int hk, int D) {
+  const int half = D / 2;
+  for (long t = begin; t < end; t++) {
+    const unsigned short* c = cos + t * D;
+    const unsigned short* s = sin + t * D;
+    for (int h = 0; h < hq + hk; h++) {
+      unsigned short* x = h < hq ? q + t * qs + h * D : k + t * ks + (h - hq) * D;
+      int i = 0;
+      for (; i + W <= half; i += W) {
+        const V a = load(x + i), b = load(x + half + i);
+        store(x + i, round_bf16(a * load(c + i)) + round_bf16(-b * load(s + i)));
+        store(x + half + i, round_bf16(b * load(c + half + i)) + round_bf16(a * load(s + half + i)));
+      }
+      for (; i < half; i++) {
+        const float a = to_float(x[i]), b = to_float(x[i + half]);
+        from_float(round_bf16(a * to_float(c[i])) + round_bf16(-b * to_float(s[i])), x + i);
+        from_float(round_bf16(b * to_float(c[i + half])) + round_bf16(a * to_float(s[i + half])), x + i + half);
+      }
     }
   }
 }

@@ -1,7 +1,7 @@
 """The CPU extension's fused elementwise ops (executor_svc/csrc) against the torch operators they replace in the
-model, in float32 and bfloat16: the rotary embedding bit for bit, RMSNorm to the rounding of its sum of squares,
-SiLU-and-mul to that of its exp (on every instruction-set path), on strided rows, odd widths and batches of one
-to a prefill chunk; the greedy argmax index for index, ties, infinities and NaNs included."""
+model, on every instruction-set path: the rotary embedding bit for bit and RMSNorm to the rounding of its sum of
+squares, in float32 and bfloat16, SiLU-and-mul to the rounding of its exp, on strided rows, odd widths and batches
+of one to a prefill chunk; the greedy argmax index for index, ties, infinities and NaNs included."""
 from __future__ import annotations
 
 import pytest
@@ -18,17 +18,25 @@ def ops():
     return load_extension()
 
 
-def assert_within_one_rounding(got: torch.Tensor, expected: torch.Tensor) -> None:
-    """bfloat16 results whose float32 work rounded differently (a sum's order, an exp) may land one bfloat16 step
-    apart, rarely; everything else is equal."""
+@pytest.fixture(params=supported_isas())
+def isa(ops, request):
+    """Every instruction-set path this CPU runs (bfloat16 rows take the vector loops of that path)."""
+    previous = ops.select_isa(request.param)
+    yield request.param
+    ops.select_isa(previous)
+
+
+def assert_within_bf16_steps(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """bfloat16 results whose float32 work rounded differently (the order of a sum) may land a bfloat16 step apart,
+    rarely, and a product of such a value rounded again one more; everything else is equal."""
     assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
-    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-30)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -6, atol=1e-30)
     assert (got == expected).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim", [(1, 9, 3, 64), (37, 4, 1, 128), (300, 6, 6, 16)])
-def test_rotary_equals_torch_bit_for_bit_in_place_in_the_projection_output(ops, num_tokens, num_heads,
+def test_rotary_equals_torch_bit_for_bit_in_place_in_the_projection_output(ops, isa, num_tokens, num_heads,
                                                                             num_kv_heads, head_dim, dtype):
     torch.manual_seed(num_tokens)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -45,7 +53,7 @@ def test_rotary_equals_torch_bit_for_bit_in_place_in_the_projection_output(ops, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (64, 576), (2048, 576), (5, 100), (3, 7)])
-def test_rms_norm_matches_torch_to_rounding(ops, num_tokens, hidden, dtype):
+def test_rms_norm_matches_torch_to_rounding(ops, isa, num_tokens, hidden, dtype):
     torch.manual_seed(hidden)
     x = (torch.randn(num_tokens, hidden + 3) * 4).to(dtype)[:, :hidden]  # strided rows
     reference, fused = RMSNorm(hidden, 1e-5).to(dtype), RMSNorm(hidden, 1e-5, ops).to(dtype)
@@ -55,14 +63,14 @@ def test_rms_norm_matches_torch_to_rounding(ops, num_tokens, hidden, dtype):
         expected, got = reference(x), fused(x)
     assert got.shape == expected.shape
     if dtype == torch.bfloat16:
-        assert_within_one_rounding(got, expected)
+        assert_within_bf16_steps(got, expected)
     else:
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (64, 576), (5, 100), (3, 7)])
-def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(ops, num_tokens, hidden, dtype):
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(ops, isa, num_tokens, hidden, dtype):
     torch.manual_seed(hidden)
     x = (torch.randn(num_tokens, hidden + 3) * 4).to(dtype)[:, :hidden]  # strided rows
     residual = (torch.randn(num_tokens, hidden) * 4).to(dtype)
@@ -83,27 +91,17 @@ def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(ops, num_tokens, hidd
     torch.testing.assert_close(ref_out, reference(residual + x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("num_tokens,intermediate", [(1, 1536), (64, 1536), (700, 1536), (3, 37)])
-def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate, dtype):
+def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate):
     torch.manual_seed(intermediate)
     # Strided rows, and values from far below to far above where SiLU saturates.
-    gate_up = (torch.randn(num_tokens, 2 * intermediate + 5) * 30).to(dtype)[:, :2 * intermediate]
+    gate_up = (torch.randn(num_tokens, 2 * intermediate + 5) * 30)[:, :2 * intermediate]
     gate, up = gate_up.split(intermediate, dim=-1)
-    out = torch.empty(num_tokens, intermediate, dtype=dtype)
-    previous = ops.select_isa(isa)
-    try:
-        ops.silu_mul(out, gate_up)
-    finally:
-        ops.select_isa(previous)
-    if dtype == torch.bfloat16:
-        assert_within_one_rounding(out, F.silu(gate) * up)
-    else:
-        torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+    out = torch.empty(num_tokens, intermediate)
+    ops.silu_mul(out, gate_up)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1000, 49152])
 def test_argmax_equals_torch_index_for_index(ops, isa, vocab):
     torch.manual_seed(vocab)
@@ -117,12 +115,8 @@ def test_argmax_equals_torch_index_for_index(ops, isa, vocab):
         rows += [inf, nan]
     logits = torch.stack(rows)
     strided = torch.cat([logits, torch.zeros(len(rows), 3)], dim=1)[:, :vocab]
-    previous = ops.select_isa(isa)
-    try:
-        for x in (logits, strided):
-            assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
-    finally:
-        ops.select_isa(previous)
+    for x in (logits, strided):
+        assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
 
 
 def test_sampler_greedy_takes_the_fused_argmax_and_falls_back_to_torch(ops):
@@ -175,5 +169,5 @@ def test_fused_ops_refuse_what_they_cannot_read(ops):
         ops.add_rms_norm(torch.empty_like(bf16), torch.ones(2, 8), bf16, torch.ones(8, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(RuntimeError, match="cos and sin"):
         ops.rotary(torch.ones(2, 16, dtype=torch.bfloat16), bf16, torch.ones(2, 8), torch.ones(2, 8), 8)
-    with pytest.raises(RuntimeError, match="out"):
-        ops.silu_mul(torch.empty(2, 4), torch.ones(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="gate_up"):
+        ops.silu_mul(torch.empty(2, 4, dtype=torch.bfloat16), torch.ones(2, 8, dtype=torch.bfloat16))
