@@ -41,10 +41,8 @@ typedef unsigned VUA __attribute__((vector_size(W * 4), aligned(2)));  // bfloat
 // products exact, summed in float32 (AVX512-BF16's VDPBF16PS, which counts inputs below 2^-126 as zero).
 static inline V dot_pairs(V acc, VU x, VU y) { return (V)_mm512_dpbf16_ps((__m512)acc, (__m512bh)x, (__m512bh)y); }
 static inline VU load_pairs(const unsigned short* p) { return (VU)(*(const VUA*)p); }
-// Lane i: bfloat16(lo[i]) in the low half, bfloat16(hi[i]) in the high half.
-static inline VU pack_pairs(V lo, V hi) { return (bf16_bits(lo) >> 16) | bf16_bits(hi); }
 #endif
-// Whether T's scores (and a prefill's value products) go through dot_pairs: bfloat16 where it is compiled in.
+// Whether T's scores go through dot_pairs: bfloat16 where it is compiled in.
 template <typename T>
 constexpr bool pairs_path() {
 #if defined(PAGED_BF16_DOT)
@@ -392,18 +390,16 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
   const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
   const T* q = (const T*)a.query;
-  // bfloat16 through dot_pairs: the queries (unscaled) as pairs along head_dim, the weights as pairs along the
-  // keys against the values' pairs (vt), with no float32 copies of K and V.
+  // bfloat16 through dot_pairs: the queries (unscaled) as pairs along head_dim against the keys as they are,
+  // with no float32 copy of K.
   constexpr bool PAIRS = pairs_path<T>();
   alignas(64) float qt[PAIRS ? 1 : MAX_HEAD_DIM][RT];
   alignas(64) unsigned qp[PAIRS ? MAX_HEAD_DIM / 2 : 1][RT];
   alignas(64) float acc[MAX_HEAD_DIM][RT];
   alignas(64) float pw[TK][RT];  // a tile's scores, then its softmax weights
-  alignas(64) unsigned pp[PAIRS ? TK / 2 : 1][RT];  // the weights of keys 2j and 2j + 1 as bfloat16 pairs
-  alignas(64) unsigned vt[PAIRS ? TK / 2 : 1][MAX_HEAD_DIM];  // values of keys 2j and 2j + 1 as pairs
   alignas(64) float posf[RT];
   alignas(64) float kbuf[sizeof(T) == 4 || PAIRS ? 1 : TK * MAX_HEAD_DIM];
-  alignas(64) float vbuf[sizeof(T) == 4 || PAIRS ? 1 : TK * MAX_HEAD_DIM];
+  alignas(64) float vbuf[sizeof(T) == 4 ? 1 : TK * MAX_HEAD_DIM];
   const int rows = it.rows;
   for (int i = 0; i < RT; i++) {
     const int row = it.row0 + i;
@@ -438,10 +434,8 @@ static void attend_rows(const Args& a, const WorkItem& it) {
     chunk_rows(a, s, h, j0, TK, key_end, kp, vp);
     const float* kf[TK];
     const float* vf[TK];
-    if constexpr (!PAIRS) {
-      float_rows(kp, nc, D, kbuf, kf);
-      float_rows(vp, nk, D, vbuf, vf);
-    }
+    if constexpr (!PAIRS) float_rows(kp, nc, D, kbuf, kf);
+    float_rows(vp, nk, D, vbuf, vf);
     for (int jc = 0; jc < nc; jc += KC) {
       V sc[KC][RV];
       for (int j = 0; j < KC; j++)
@@ -495,45 +489,6 @@ static void attend_rows(const Args& a, const WorkItem& it) {
       l[v] = l[v] * alpha[v] + sum;
       m[v] = m_new;
     }
-#if defined(PAGED_BF16_DOT)
-    if constexpr (PAIRS) {
-      // The weights rounded to bfloat16 (as torch's CPU flash attention rounds them for this product), keys
-      // 2j and 2j + 1 in a lane, a key past nk weighing nothing; the values interleaved to match, head_dim
-      // W at a time (vp rows from nk on are zeros).
-      const int np = (nk + 1) / 2;
-      for (int j = 0; j < np; j++)
-        for (int v = 0; v < RV; v++) {
-          const V hi = 2 * j + 1 < nk ? load(&pw[2 * j + 1][v * W]) : V{};
-          *(VU*)&pp[j][v * W] = pack_pairs(load(&pw[2 * j][v * W]), hi);
-        }
-      for (int j = 0; j < np; j++) {
-        const unsigned short* v0 = (const unsigned short*)vp[2 * j];
-        const unsigned short* v1 = (const unsigned short*)vp[2 * j + 1];
-        for (int d = 0; d < D; d += W) {
-          const VU lo = __builtin_convertvector(*(const VH*)(v0 + d), VU);
-          const VU hi = __builtin_convertvector(*(const VH*)(v1 + d), VU);
-          *(VU*)&vt[j][d] = lo | (hi << 16);
-        }
-      }
-      // Four head_dim positions at a time: 4 x RV independent accumulators, each taking a pair of keys a step.
-      for (int d = 0; d < D; d += 4) {
-        V o[4][RV];
-        for (int u = 0; u < 4; u++)
-          for (int v = 0; v < RV; v++) o[u][v] = load(&acc[d + u][v * W]) * alpha[v];
-        for (int j = 0; j < np; j++) {
-          VU p[RV];
-          for (int v = 0; v < RV; v++) p[v] = *(const VU*)&pp[j][v * W];
-          for (int u = 0; u < 4; u++) {
-            const VU val = VU{} + vt[j][d + u];
-            for (int v = 0; v < RV; v++) o[u][v] = dot_pairs(o[u][v], p[v], val);
-          }
-        }
-        for (int u = 0; u < 4; u++)
-          for (int v = 0; v < RV; v++) store(&acc[d + u][v * W], o[u][v]);
-      }
-      continue;
-    }
-#endif
     // Four head_dim positions at a time: 4 x RV independent accumulators, each taking one FMA per key.
     for (int d = 0; d < D; d += 4) {
       V o[4][RV];
