@@ -26,14 +26,8 @@ static inline VU bf16_bits(V v) {
   return (u & 0x7fffffffu) > 0x7f800000u ? VU{} + 0x7fc00000u : rounded;
 }
 static inline void store(unsigned short* p, V v) { *(VH*)p = __builtin_convertvector(bf16_bits(v) >> 16, VH); }
-// v as the element type T holds it: rounded to bfloat16 for T = uint16_t, as it is for float.
-template <typename T>
-static inline V rounded(V v) {
-  if constexpr (sizeof(T) == 2)
-    return (V)bf16_bits(v);
-  else
-    return v;
-}
+// v rounded to bfloat16, as float32 values whose low halves are zero.
+static inline V round_bf16(V v) { return (V)bf16_bits(v); }
 
 #if defined(PAGED_BF16_DOT)
 typedef unsigned VUA __attribute__((vector_size(W * 4), aligned(2)));  // bfloat16 pairs at any even address
@@ -354,19 +348,21 @@ static void attend_dot(const Args& a, const WorkItem& it) {
     for (int b = 0, r0 = 0; b < num_blocks; b++) {
       const int nr = (rows - r0) / (num_blocks - b) + ((rows - r0) % (num_blocks - b) != 0);
       const T* const* prefetch_keys = more ? next_kp : nullptr;
+      const float (*rows_f)[MAX_HEAD_DIM] = pairs ? nullptr : qs + r0;
+      const unsigned short (*rows_b)[MAX_HEAD_DIM] = pairs ? qb + r0 : nullptr;
       switch (nr) {
         case 1:
-          dot_tile<T, HEAD_DIM, 1>(D, j0, nk, pairs ? nullptr : qs + r0, pairs ? qb + r0 : nullptr, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
+          dot_tile<T, HEAD_DIM, 1>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         case 2:
-          dot_tile<T, HEAD_DIM, 2>(D, j0, nk, pairs ? nullptr : qs + r0, pairs ? qb + r0 : nullptr, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
+          dot_tile<T, HEAD_DIM, 2>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         case 3:
-          dot_tile<T, HEAD_DIM, 3>(D, j0, nk, pairs ? nullptr : qs + r0, pairs ? qb + r0 : nullptr, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
+          dot_tile<T, HEAD_DIM, 3>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
           break;
         default:
           if constexpr (DOT_ROW_BLOCK >= 4)
-            dot_tile<T, HEAD_DIM, 4>(D, j0, nk, pairs ? nullptr : qs + r0, pairs ? qb + r0 : nullptr, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
+            dot_tile<T, HEAD_DIM, 4>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, b == 0);
       }
       r0 += nr;
     }
@@ -559,8 +555,6 @@ static void silu_mul_rows(const float* gu, long gu_stride, float* out, long out_
   }
 }
 
-// bfloat16 values rounded to bfloat16 (a value as float32 whose low half is zero).
-static inline V round_bf16(V v) { return rounded<unsigned short>(v); }
 static inline float round_bf16(float x) {
   unsigned short bits;
   from_float(x, &bits);
