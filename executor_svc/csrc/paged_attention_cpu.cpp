@@ -62,8 +62,8 @@ constexpr int DOT_ROW_BLOCK = 4;   // query rows a dot-product step serves at on
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
-// The same with AVX512-BF16: bfloat16 caches take their score products (and a prefill's value products) as
-// bfloat16 pairs, two per float32 lane and instruction (PAGED_BF16_DOT in the header).
+// The same with AVX512-BF16: bfloat16 caches take their score products as bfloat16 pairs, two per float32 lane
+// and instruction (PAGED_BF16_DOT in the header); value products stay float32 on every path.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
 #define PAGED_BF16_DOT 1
