@@ -292,9 +292,10 @@ class SchedulerConfig(_Config):
     max_num_partial_prefills: int = option(0, "requests part-way through their prompt at once (0: no limit); "
                                               "a prompt that would start another waits while shorter ones that "
                                               "finish within the step go ahead", min=0)
-    async_scheduling: bool = option(True, "plan each step while the executor runs the one before, so that it "
-                                          "never waits on the scheduler; the executor feeds in the tokens it "
-                                          "sampled, and a request found finished a step late emits nothing more")
+    async_scheduling: bool = option(True, "plan each step while the executor runs the one before (two steps out, "
+                                          "three while the scheduler's own work takes most of a step), so that "
+                                          "it never waits on the scheduler; the executor feeds in the tokens it "
+                                          "sampled, and a request found finished late emits nothing more")
     stream_interval: int = option(1, "tokens a request gathers before they go to its frontend (its first and "
                                      "last go at once): fewer, bigger messages cost the frontend and the "
                                      "client less CPU per token, at a coarser stream", min=1, max=1024)

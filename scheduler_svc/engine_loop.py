@@ -6,15 +6,20 @@ loop's thread. A step runs whenever a request is unfinished or finished requests
 Steps are planned ahead (async_scheduling): while the executor runs step N, the loop has already planned
 step N+1 with the block manager and sent it, so the executor finds it waiting when N is done and never
 waits on the scheduler. Then it applies N's result (new tokens, stop conditions), publishes it, and plans
-N+2. So at most two steps are out, and every plan is made knowing the result of all but the last step
-sent. Without async_scheduling, or while a suspect runs alone or a peer is down, one step is out at a
-time. The executor runs steps in the order they were planned (each names the one it follows).
+N+2. So two steps are out, and every plan is made knowing the result of all but the last step sent.
+When the loop's own work (applying, publishing, planning with the block manager) takes most of the
+executor's step (a fast executor, hundreds of running requests, a busy machine), two are not enough: a
+plan that comes late leaves the executor idle. The loop then goes three steps out, and back to two once
+its work is a small part of the step again; it measures both as it goes. Three steps out costs a new
+request one more step before its first, so it is not the rule. Without async_scheduling, or while a
+suspect runs alone or a peer is down, one step is out at a time. The executor runs steps in the order
+they were planned (each names the one it follows).
 
 When a peer fails, the loop recovers without losing a request and without spinning: a block manager that
 does not answer is retried with backoff (nothing was planned); an executor that does not answer has the
 steps out rolled back, and the loop waits, with backoff, until an executor answers again, re-running every
 request from its tokens so far if it is a new instance; a step the executor raised on is rolled back (with
-the step sent after it) and retried without the request that caused it (see Scheduler.steps_failed). One
+the steps sent after it) and retried without the request that caused it (see Scheduler.steps_failed). One
 warning per outage.
 """
 from __future__ import annotations
@@ -36,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 FIRST_RETRY_S = 0.05
 MAX_RETRY_S = 2.0
+# The share of the time between two results that the loop spends working (not waiting for the executor)
+# above which it goes three steps out, and below which it comes back to two; and the weight of the latest
+# cycle in the running average of that share.
+DEEPER_ABOVE, SHALLOWER_BELOW = 0.6, 0.4
+WORK_SHARE_WEIGHT = 0.1
 
 
 class PendingResult(Protocol):
@@ -76,8 +86,12 @@ class EngineLoop:
         publish: Callable[[list[RequestOutput]], None],
         executor_epoch: Callable[[], str],
         async_scheduling: bool = True,
+        steps_ahead: int | None = None,
     ) -> None:
-        """submit: sends a step to the executor without waiting for its result."""
+        """submit: sends a step to the executor without waiting for its result. steps_ahead: how many steps
+        may be out with async_scheduling (None: two or three, as measured; see the module's docstring)."""
+        if steps_ahead is not None and steps_ahead < 1:
+            raise ValueError(f"steps_ahead must be at least 1, got {steps_ahead}")
         self.scheduler = scheduler
         self.submit = submit
         self.publish = publish
@@ -94,6 +108,12 @@ class EngineLoop:
         self.outage_since = 0.0
         self.retry_delay = 0.0
         self.executor_lost = False
+        self.steps_ahead = steps_ahead
+        # The running average of the share of the loop's time spent working, and when the last result came
+        # (None while the pipeline is empty: the time until the next one is not the loop's work).
+        self.work_share = 0.0
+        self.deep = False
+        self.last_result_at: float | None = None
 
     def start(self) -> None:
         self.thread.start()
@@ -139,8 +159,11 @@ class EngineLoop:
 
     def _depth(self) -> int:
         """How many steps may be out at once."""
-        alone = self.scheduler.suspects or self.outage is not None
-        return 2 if self.async_scheduling and not alone else 1
+        if not self.async_scheduling or self.scheduler.suspects or self.outage is not None:
+            return 1
+        if self.steps_ahead is not None:
+            return self.steps_ahead
+        return 3 if self.deep else 2
 
     def step(self) -> list[RequestOutput]:
         """Plans and sends steps while the pipeline has room, then applies the oldest one's result."""
@@ -167,14 +190,29 @@ class EngineLoop:
 
     def _apply_oldest(self) -> list[RequestOutput]:
         oldest = self.in_flight[0]
+        waited_from = time.perf_counter()
         try:
             result = oldest.call.result()
         except (ExecutorUnavailable, StepFailed) as error:
+            self.last_result_at = None
             return self._roll_back(error)
+        self._measure(waited_from)
         self.in_flight.popleft()
         self._up()
         self.num_steps += 1
         return self.scheduler.update(oldest.step, result)
+
+    def _measure(self, waited_from: float) -> None:
+        """Folds the cycle that ends with this result into the running share of the loop's work."""
+        now = time.perf_counter()
+        if self.last_result_at is not None and now > self.last_result_at:
+            work = (waited_from - self.last_result_at) / (now - self.last_result_at)
+            self.work_share += WORK_SHARE_WEIGHT * (work - self.work_share)
+            if self.work_share > DEEPER_ABOVE:
+                self.deep = True
+            elif self.work_share < SHALLOWER_BELOW:
+                self.deep = False
+        self.last_result_at = now if len(self.in_flight) > 1 else None
 
     def _roll_back(self, error: ExecutorUnavailable | StepFailed) -> list[RequestOutput]:
         """The oldest step out failed: it and every step sent after it are rolled back."""

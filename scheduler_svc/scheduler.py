@@ -22,7 +22,9 @@ engine_loop.py): a request that samples in a step still out counts one more toke
 know yet; the next step computes that token all the same (the executor feeds in what it sampled), and the
 block manager is told its id one step later. A request that turns out to have finished with the token
 still out was planned once more for nothing: the token that step samples for it is dropped, and its
-blocks go back. One whose pending token reaches max_tokens is not planned again.
+blocks go back. One whose pending token reaches max_tokens is not planned again. With three steps out a
+request can have two samples pending; one preempted meanwhile is re-admitted only once they have come
+back, since an admission names every token it starts from.
 
 A step that fails is rolled back by recompute, together with any step sent after it: their requests give
 their blocks back and are re-admitted (mostly from the prefix cache, which indexes a block only once its
@@ -167,8 +169,8 @@ class Scheduler:
         waiting: list[_Scheduled] = []
         room = 1 if self.suspects else max(self.config.max_num_seqs - len(self.running), 0)
         for request in candidates:
-            if len(waiting) == room or budget <= 0:
-                break
+            if len(waiting) == room or budget <= 0 or request.num_pending_samples:
+                break  # (one preempted with a sample still out is admitted once that sample is known)
             num_left = request.num_tokens_to_compute()
             scheduled = _Scheduled(request, self._chunk(num_left, budget), num_left)
             if scheduled.partial:
@@ -388,7 +390,7 @@ class Scheduler:
         # tier for the last len(loads) blocks of them): the step starts after them.
         computed = blocks.num_cached_tokens.get(request_id, 0)
         request.num_tokens_sent_to_kv = known
-        last = known + request.num_pending_samples  # (waiting requests have no sample pending)
+        last = known + request.num_pending_samples  # (none is pending: see schedule)
         end = min(computed + s.num_new_tokens, last)
         # Tokens of blocks to load travel too, so that the executor can compute them if a load fails.
         start = computed - num_loaded_tokens(loads, self.config.block_size) if loads else computed

@@ -5,7 +5,8 @@ as the real one does).
 The pipeline really overlaps: the executor finds the next step waiting each time it ends one, and gets it
 before the scheduler has applied the result of the one before. A request found finished a step late
 (max_tokens, EOS, a stop token, an abort while its step is out) gets no token after its last, and every
-block comes back. Outputs are those of the loop without planning ahead.
+block comes back. Outputs are those of the loop without planning ahead, two steps out or three; and the
+loop goes three out only while its own work takes most of the executor's step.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from kvcache_svc.kv_cache_manager import KVCacheManager
 from pagedserve.config import SchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteStep, one_executor
-from scheduler_svc.engine_loop import CompletedCall, EngineLoop
+from scheduler_svc.engine_loop import DEEPER_ABOVE, SHALLOWER_BELOW, CompletedCall, EngineLoop
 from scheduler_svc.request import Request
 from scheduler_svc.scheduler import ExecutorUnavailable, Scheduler, StepFailed
 from tests.unit.test_scheduler import EOS, CheckingExecutor, random_prompts
@@ -30,16 +31,19 @@ NUM_BLOCKS = 256
 
 
 class Engine:
-    """submit: how a step reaches the executor (by default, in this process: it runs when sent)."""
+    """steps_ahead: how many steps may be out (1: no planning ahead; None: two or three, as the loop measures);
+    submit: how a step reaches the executor (by default, in this process: it runs when sent)."""
 
-    def __init__(self, async_scheduling: bool, submit=None, **config) -> None:
+    def __init__(self, steps_ahead: int | None, submit=None, **config) -> None:
+        async_scheduling = steps_ahead != 1
         self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
         self.executor = CheckingExecutor(self.manager, BLOCK_SIZE)
         config.setdefault("max_model_len", 256)
         self.scheduler = Scheduler(SchedulerConfig(block_size=BLOCK_SIZE, async_scheduling=async_scheduling, **config),
                                    one_executor(self.manager.step))
         submit = submit or (lambda step: CompletedCall(self.executor, step))
-        self.loop = EngineLoop(self.scheduler, submit, lambda outputs: None, lambda: "", async_scheduling)
+        self.loop = EngineLoop(self.scheduler, submit, lambda outputs: None, lambda: "", async_scheduling,
+                               steps_ahead=steps_ahead if async_scheduling else None)
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
 
@@ -72,22 +76,25 @@ class Engine:
         assert not self.executor.block_tables, "the executor kept state of ended requests"
 
 
-@pytest.fixture(params=[True, False], ids=["async", "sync"])
-def async_scheduling(request) -> bool:
+STEPS_AHEAD = (1, 2, 3)
+
+
+@pytest.fixture(params=STEPS_AHEAD, ids=["sync", "two-ahead", "three-ahead"])
+def steps_ahead(request) -> int:
     return request.param
 
 
-def run_both(load) -> dict[bool, Engine]:
-    """The same load with and without planning ahead."""
+def run_all(load) -> dict[int, Engine]:
+    """The same load without planning ahead, and two and three steps out, by steps ahead."""
     engines = {}
-    for async_scheduling in (True, False):
-        engine = Engine(async_scheduling)
+    for steps_ahead in STEPS_AHEAD:
+        engine = Engine(steps_ahead)
         load(engine)
         engine.run()
         engine.assert_every_block_back()
-        engines[async_scheduling] = engine
-    assert engines[True].outputs == engines[False].outputs
-    assert engines[True].finish == engines[False].finish
+        engines[steps_ahead] = engine
+    for engine in engines.values():
+        assert engine.outputs == engines[1].outputs and engine.finish == engines[1].finish
     return engines
 
 
@@ -131,7 +138,9 @@ class ThreadedExecutor:
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_the_executor_gets_the_next_step_before_the_last_result_is_applied(async_scheduling):
-    engine = Engine(async_scheduling)
+    # Planned ahead as the services are (two or three steps out, as measured): the loop's work is tiny
+    # beside a 20 ms step, so it stays two out.
+    engine = Engine(None if async_scheduling else 1)
     engine.executor.block_manager = None  # the block manager plans ahead of what the executor has run
     threaded = ThreadedExecutor(engine.executor, step_s=0.02)
     engine.loop.submit, threaded.loop = threaded.submit, engine.loop
@@ -153,8 +162,39 @@ def test_the_executor_gets_the_next_step_before_the_last_result_is_applied(async
         assert not any(threaded.next_was_waiting)
 
 
+def test_the_loop_goes_three_steps_out_only_while_its_own_work_takes_most_of_a_step():
+    engine = Engine(None)
+    engine.executor.block_manager = None  # the block manager plans ahead of what the executor has run
+    threaded = ThreadedExecutor(engine.executor, step_s=0.002)
+    engine.loop.submit, threaded.loop = threaded.submit, engine.loop
+    for i, prompt in enumerate(random_prompts(4, seed=3, low=3, high=8)):
+        engine.add(f"r{i}", prompt, max_tokens=80, ignore_eos=True)
+    # A loop slower than its executor (5 ms of its own work per 2 ms step) goes three out...
+    for _ in range(30):
+        engine.step()
+        time.sleep(0.005)
+    assert engine.loop.deep and engine.loop.work_share > DEEPER_ABOVE
+    sent = len(threaded.applied_when_sent)
+    assert any(applied == k - 2 for k, applied in enumerate(threaded.applied_when_sent) if k >= 2)
+    # ...and back to two once the executor's step (now 20 ms) dwarfs the loop's work.
+    threaded.step_s = 0.02
+    for _ in range(30):
+        engine.step()
+    assert not engine.loop.deep and engine.loop.work_share < SHALLOWER_BELOW
+    last = len(threaded.applied_when_sent)
+    assert last > sent + 5
+    assert all(threaded.applied_when_sent[k] == k - 1 for k in range(last - 5, last))
+    engine.run()
+    engine.assert_every_block_back()
+    reference = Engine(1)
+    for i, prompt in enumerate(random_prompts(4, seed=3, low=3, high=8)):
+        reference.add(f"r{i}", prompt, max_tokens=80, ignore_eos=True)
+    reference.run()
+    assert engine.outputs == reference.outputs
+
+
 def test_max_tokens_is_not_planned_past():
-    engines = run_both(lambda engine: engine.add("r", [1, 2, 3], max_tokens=5, ignore_eos=True))
+    engines = run_all(lambda engine: engine.add("r", [1, 2, 3], max_tokens=5, ignore_eos=True))
     for engine in engines.values():
         assert engine.finish["r"] == "length" and len(engine.outputs["r"]) == 5
         # The prompt, then four decodes: the token that reaches max_tokens is never computed on.
@@ -169,11 +209,12 @@ def test_a_request_found_at_eos_a_step_late_emits_nothing_more():
         engine.add("eos", prompt, max_tokens=50)
         engine.add("other", [4, 5, 6, 7], max_tokens=12, ignore_eos=True)
 
-    engines = run_both(load)
+    engines = run_all(load)
     for engine in engines.values():
         assert engine.finish["eos"] == "stop" and engine.outputs["eos"][-1] == EOS and len(engine.outputs["eos"]) == 6
-    # Planned ahead, the step after the EOS token ran for it before the EOS was known: its token was dropped.
-    assert engines[True].rows("eos") == engines[False].rows("eos") + 1
+    # Planned ahead, the steps after the EOS token ran for it before the EOS was known: their tokens were dropped.
+    for steps_ahead in (2, 3):
+        assert engines[steps_ahead].rows("eos") == engines[1].rows("eos") + steps_ahead - 1
 
 
 def test_a_stop_token_found_a_step_late_emits_nothing_more():
@@ -181,19 +222,19 @@ def test_a_stop_token_found_a_step_late_emits_nothing_more():
         first = engine.executor.next_token("", [1, 2, 3])
         engine.add("stop", [1, 2, 3], max_tokens=50, stop_token_ids=[first])
 
-    engines = run_both(load)
+    engines = run_all(load)
     for engine in engines.values():
         assert engine.finish["stop"] == "stop" and len(engine.outputs["stop"]) == 1
 
 
-def test_an_abort_while_the_step_is_out_emits_nothing_more_and_frees_the_blocks(async_scheduling):
-    engine = Engine(async_scheduling)
+def test_an_abort_while_the_step_is_out_emits_nothing_more_and_frees_the_blocks(steps_ahead):
+    engine = Engine(steps_ahead)
     engine.add("keep", list(range(10)), max_tokens=30, ignore_eos=True)
     engine.add("drop", list(range(100, 120)), max_tokens=30, ignore_eos=True)
     for _ in range(4):
         engine.step()
     out = [s for s in engine.loop.in_flight if any(r.request_id == "drop" for r in s.step.requests)]
-    assert bool(out) == async_scheduling, "planned ahead, a step holding the request is out"
+    assert bool(out) == (steps_ahead > 1), "planned ahead, a step holding the request is out"
     received = len(engine.outputs["drop"])
     assert engine.scheduler.abort_request("drop").finish_reason == "abort"
     engine.finish["drop"] = "abort"
@@ -203,8 +244,8 @@ def test_an_abort_while_the_step_is_out_emits_nothing_more_and_frees_the_blocks(
     engine.assert_every_block_back()
 
 
-def test_a_step_that_raises_rolls_back_the_step_sent_after_it(async_scheduling):
-    engine = Engine(async_scheduling)
+def test_a_step_that_raises_rolls_back_the_steps_sent_after_it(steps_ahead):
+    engine = Engine(steps_ahead)
     failing = {"count": 0}
 
     def submit(step: ExecuteStep):
@@ -217,22 +258,23 @@ def test_a_step_that_raises_rolls_back_the_step_sent_after_it(async_scheduling):
     engine.loop.submit = submit
     for i, prompt in enumerate(random_prompts(3, seed=5)):
         engine.add(f"r{i}", prompt, max_tokens=10, ignore_eos=True)
-    reference = run_both(lambda e: [e.add(f"r{i}", p, max_tokens=10, ignore_eos=True)
-                                    for i, p in enumerate(random_prompts(3, seed=5))])[False]
+    reference = run_all(lambda e: [e.add(f"r{i}", p, max_tokens=10, ignore_eos=True)
+                                    for i, p in enumerate(random_prompts(3, seed=5))])[1]
     engine.run()
-    # Planned ahead, the step after the one that raised was out too: both were rolled back.
-    assert engine.loop.num_failed_steps == (2 if async_scheduling else 1)
+    # Planned ahead, the steps after the one that raised were out too: all of them were rolled back.
+    assert engine.loop.num_failed_steps == steps_ahead
     assert engine.outputs == reference.outputs and engine.finish == reference.finish
     engine.assert_every_block_back()
 
 
-def test_an_executor_lost_with_two_steps_out_rolls_both_back_and_recomputes():
-    engine = Engine(async_scheduling=True)
+@pytest.mark.parametrize("steps_ahead", [2, 3])
+def test_an_executor_lost_with_steps_out_rolls_them_all_back_and_recomputes(steps_ahead):
+    engine = Engine(steps_ahead)
     sent = {"count": 0}
 
     def submit(step: ExecuteStep):
         sent["count"] += 1
-        if sent["count"] in (5, 6):  # both steps out when the executor goes away
+        if 5 <= sent["count"] < 5 + steps_ahead:  # every step out when the executor goes away
             return CompletedCall(raising(ExecutorUnavailable("UNAVAILABLE")), step)
         return CompletedCall(engine.executor, step)
 
@@ -240,10 +282,10 @@ def test_an_executor_lost_with_two_steps_out_rolls_both_back_and_recomputes():
     prompts = random_prompts(4, seed=6)
     for i, prompt in enumerate(prompts):
         engine.add(f"r{i}", prompt, max_tokens=10, ignore_eos=True)
-    reference = run_both(lambda e: [e.add(f"r{i}", p, max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)])
+    reference = run_all(lambda e: [e.add(f"r{i}", p, max_tokens=10, ignore_eos=True) for i, p in enumerate(prompts)])
     engine.run()
-    assert engine.loop.num_failed_steps == 2 and engine.scheduler.num_recomputed_tokens > 0
-    assert engine.outputs == reference[False].outputs
+    assert engine.loop.num_failed_steps == steps_ahead and engine.scheduler.num_recomputed_tokens > 0
+    assert engine.outputs == reference[1].outputs
     engine.assert_every_block_back()
 
 
@@ -259,28 +301,29 @@ def test_a_request_preempted_while_its_step_is_out_keeps_that_steps_token():
 
     small = NUM_BLOCKS // 8  # each request needs up to 14 blocks: far fewer than 12 of them at once
     engines = {}
-    for async_scheduling in (True, False):
-        engine = Engine(async_scheduling, max_num_batched_tokens=64)
+    for steps_ahead in STEPS_AHEAD:
+        engine = Engine(steps_ahead, max_num_batched_tokens=64)
         engine.manager = KVCacheManager(small, BLOCK_SIZE)
         engine.executor.block_manager = engine.manager
         engine.scheduler.allocate_blocks = one_executor(engine.manager.step)
         load(engine)
         engine.run()
         assert engine.manager.num_requests == 0 and engine.manager.num_free_blocks == small
-        engines[async_scheduling] = engine
-    assert engines[True].scheduler.num_preemptions > 0
-    assert engines[True].outputs == engines[False].outputs
-    assert all(len(tokens) == 16 for tokens in engines[True].outputs.values())
+        engines[steps_ahead] = engine
+    for steps_ahead in (2, 3):
+        assert engines[steps_ahead].scheduler.num_preemptions > 0
+        assert engines[steps_ahead].outputs == engines[1].outputs
+    assert all(len(tokens) == 16 for tokens in engines[1].outputs.values())
 
 
-def test_a_structured_request_is_not_planned_on_while_its_sample_may_be_deferred(async_scheduling):
+def test_a_structured_request_is_not_planned_on_while_its_sample_may_be_deferred(steps_ahead):
     """The executor may defer a structured request's sample (its grammar still compiling): then its last token
     is computed again, so a step planned on the pending token would be wrong. None is; outputs are unchanged."""
     def load(engine: Engine) -> None:
         engine.add("s", [5, 6, 7, 8, 9], json_object=True, ignore_eos=True, max_tokens=6)
         engine.add("r", [1, 2, 3], ignore_eos=True, max_tokens=6)
 
-    reference = Engine(async_scheduling)
+    reference = Engine(steps_ahead)
     load(reference)
     reference.run()
     deferrals = {"s": 3}
@@ -295,11 +338,11 @@ def test_a_structured_request_is_not_planned_on_while_its_sample_may_be_deferred
                 engine.executor.progress[req.request_id] -= 1  # the executor keeps nothing of a deferred token
         return result
 
-    engine = Engine(async_scheduling, submit=lambda step: CompletedCall(deferring, step))
+    engine = Engine(steps_ahead, submit=lambda step: CompletedCall(deferring, step))
     load(engine)
     engine.run()
     engine.assert_every_block_back()
     assert deferrals == {"s": 0} and engine.outputs == reference.outputs
     assert not any(r.feed_sampled for step in engine.executor.steps for r in step.requests if r.request_id == "s")
-    if async_scheduling:
+    if steps_ahead > 1:
         assert any(r.feed_sampled for step in engine.executor.steps for r in step.requests if r.request_id == "r")

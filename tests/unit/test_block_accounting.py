@@ -80,7 +80,7 @@ def expected_output(prompt: list[int], executor: CheckingExecutor) -> list[int]:
 
 class SharedPrefixQuarterPool(RuleBasedStateMachine):
     policy = "fcfs"
-    async_scheduling = False
+    steps_ahead = 1  # steps out at once (1: none planned ahead)
 
     def __init__(self) -> None:
         super().__init__()
@@ -96,7 +96,7 @@ class SharedPrefixQuarterPool(RuleBasedStateMachine):
         )
         self.executor = CheckingExecutor(self.manager, BLOCK_SIZE)
         self.loop = EngineLoop(self.scheduler, lambda step: CompletedCall(self.executor, step), lambda outputs: None,
-                               lambda: "", self.async_scheduling)
+                               lambda: "", self.steps_ahead > 1, steps_ahead=self.steps_ahead)
         self.prompts: dict[str, list[int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
@@ -176,7 +176,7 @@ TestSharedPrefixQuarterPoolByPriority = SharedPrefixQuarterPoolByPriority.TestCa
 
 
 class SharedPrefixQuarterPoolPlannedAhead(SharedPrefixQuarterPool):
-    async_scheduling = True
+    steps_ahead = 2
 
 
 SharedPrefixQuarterPoolPlannedAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
@@ -184,16 +184,35 @@ TestSharedPrefixQuarterPoolPlannedAhead = SharedPrefixQuarterPoolPlannedAhead.Te
 
 
 class SharedPrefixQuarterPoolByPriorityPlannedAhead(SharedPrefixQuarterPoolByPriority):
-    async_scheduling = True
+    steps_ahead = 2
 
 
 SharedPrefixQuarterPoolByPriorityPlannedAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
 TestSharedPrefixQuarterPoolByPriorityPlannedAhead = SharedPrefixQuarterPoolByPriorityPlannedAhead.TestCase
 
 
+# Three steps out: a request can then be preempted with two samples it does not know yet.
+class SharedPrefixQuarterPoolThreeAhead(SharedPrefixQuarterPool):
+    steps_ahead = 3
+
+
+SharedPrefixQuarterPoolThreeAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
+TestSharedPrefixQuarterPoolThreeAhead = SharedPrefixQuarterPoolThreeAhead.TestCase
+
+
+class SharedPrefixQuarterPoolByPriorityThreeAhead(SharedPrefixQuarterPoolByPriority):
+    steps_ahead = 3
+
+
+SharedPrefixQuarterPoolByPriorityThreeAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
+TestSharedPrefixQuarterPoolByPriorityThreeAhead = SharedPrefixQuarterPoolByPriorityThreeAhead.TestCase
+
+
 @pytest.mark.parametrize("machine_class", [SharedPrefixQuarterPool, SharedPrefixQuarterPoolByPriority,
                                            SharedPrefixQuarterPoolPlannedAhead,
-                                           SharedPrefixQuarterPoolByPriorityPlannedAhead])
+                                           SharedPrefixQuarterPoolByPriorityPlannedAhead,
+                                           SharedPrefixQuarterPoolThreeAhead,
+                                           SharedPrefixQuarterPoolByPriorityThreeAhead])
 def test_the_quarter_pool_does_preempt(machine_class):
     """The machines above are only meaningful if their pool really runs short: one fixed run shows it does."""
     machine = machine_class()

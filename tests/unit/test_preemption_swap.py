@@ -280,8 +280,8 @@ class SwapEngine(Engine):
     """The fault-injection engine of test_step_failures.py with a swapping block manager and executor, and
     one more fault: the block manager serves a call whose answer is lost on the way."""
 
-    def __init__(self, num_blocks: int, seed: int) -> None:
-        super().__init__(num_blocks=num_blocks)
+    def __init__(self, num_blocks: int, seed: int, steps_ahead: int) -> None:
+        super().__init__(num_blocks=num_blocks, steps_ahead=steps_ahead)
         self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, model_id="test", preemption_mode="swap",
                                       swap_capacity_blocks=1000)
         self.executor = SwappingFaultyExecutor(self.manager)
@@ -303,9 +303,10 @@ class SwapEngine(Engine):
         super().step()
 
 
+@pytest.mark.parametrize("steps_ahead", [2, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_no_fault_makes_a_swapped_request_load_kv_it_should_not(seed):
-    engine = SwapEngine(num_blocks=14, seed=seed)
+def test_no_fault_makes_a_swapped_request_load_kv_it_should_not(seed, steps_ahead):
+    engine = SwapEngine(num_blocks=14, seed=seed, steps_ahead=steps_ahead)
     ids = [f"r{i}" for i in range(8)]
     for i, request_id in enumerate(ids):
         engine.add(request_id, prompt(60 + i, 9 + 3 * i))

@@ -57,10 +57,12 @@ class FaultyExecutor:
 
 
 class Engine:
-    """async_scheduling: the loop plans a step while the one before it is out; the fake executor, in this
-    process, runs each step as it is sent, before the loop has applied the result of the one before."""
+    """async_scheduling: the loop plans a step while the one before it is out (steps_ahead of them: None, two
+    or three as the loop measures); the fake executor, in this process, runs each step as it is sent, before
+    the loop has applied the result of the one before."""
 
-    def __init__(self, num_blocks: int = 64, budget: int = 16, async_scheduling: bool = True) -> None:
+    def __init__(self, num_blocks: int = 64, budget: int = 16, async_scheduling: bool = True,
+                 steps_ahead: int | None = None) -> None:
         self.manager = KVCacheManager(num_blocks, BLOCK_SIZE, model_id="test")
         self.kv_down = False
         self.executor = FaultyExecutor(self.manager)
@@ -68,7 +70,8 @@ class Engine:
                                  async_scheduling=async_scheduling)
         self.scheduler = Scheduler(config, one_executor(self.allocate), executor_epoch=self.executor.executor_epoch())
         self.loop = EngineLoop(self.scheduler, lambda step: CompletedCall(self.executor, step), lambda outputs: None,
-                               self.executor.executor_epoch, async_scheduling=async_scheduling)
+                               self.executor.executor_epoch, async_scheduling=async_scheduling,
+                               steps_ahead=steps_ahead)
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, tuple[str, str | None]] = {}
         self.prompts: dict[str, list[int]] = {}
