@@ -167,44 +167,25 @@ SharedPrefixQuarterPool.TestCase.settings = settings(max_examples=150, stateful_
 TestSharedPrefixQuarterPool = SharedPrefixQuarterPool.TestCase
 
 
-class SharedPrefixQuarterPoolByPriority(SharedPrefixQuarterPool):
-    policy = "priority"
+def machine(name: str, **attributes) -> type:
+    """A variant of the machine above (policy, steps out: three lets a request be preempted with two samples
+    it does not know yet), with its settings."""
+    variant = type(name, (SharedPrefixQuarterPool,), attributes)
+    variant.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
+    return variant
 
 
-SharedPrefixQuarterPoolByPriority.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
+SharedPrefixQuarterPoolByPriority = machine("SharedPrefixQuarterPoolByPriority", policy="priority")
+SharedPrefixQuarterPoolPlannedAhead = machine("SharedPrefixQuarterPoolPlannedAhead", steps_ahead=2)
+SharedPrefixQuarterPoolByPriorityPlannedAhead = machine("SharedPrefixQuarterPoolByPriorityPlannedAhead",
+                                                        policy="priority", steps_ahead=2)
+SharedPrefixQuarterPoolThreeAhead = machine("SharedPrefixQuarterPoolThreeAhead", steps_ahead=3)
+SharedPrefixQuarterPoolByPriorityThreeAhead = machine("SharedPrefixQuarterPoolByPriorityThreeAhead",
+                                                      policy="priority", steps_ahead=3)
 TestSharedPrefixQuarterPoolByPriority = SharedPrefixQuarterPoolByPriority.TestCase
-
-
-class SharedPrefixQuarterPoolPlannedAhead(SharedPrefixQuarterPool):
-    steps_ahead = 2
-
-
-SharedPrefixQuarterPoolPlannedAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
 TestSharedPrefixQuarterPoolPlannedAhead = SharedPrefixQuarterPoolPlannedAhead.TestCase
-
-
-class SharedPrefixQuarterPoolByPriorityPlannedAhead(SharedPrefixQuarterPoolByPriority):
-    steps_ahead = 2
-
-
-SharedPrefixQuarterPoolByPriorityPlannedAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
 TestSharedPrefixQuarterPoolByPriorityPlannedAhead = SharedPrefixQuarterPoolByPriorityPlannedAhead.TestCase
-
-
-# Three steps out: a request can then be preempted with two samples it does not know yet.
-class SharedPrefixQuarterPoolThreeAhead(SharedPrefixQuarterPool):
-    steps_ahead = 3
-
-
-SharedPrefixQuarterPoolThreeAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
 TestSharedPrefixQuarterPoolThreeAhead = SharedPrefixQuarterPoolThreeAhead.TestCase
-
-
-class SharedPrefixQuarterPoolByPriorityThreeAhead(SharedPrefixQuarterPoolByPriority):
-    steps_ahead = 3
-
-
-SharedPrefixQuarterPoolByPriorityThreeAhead.TestCase.settings = SharedPrefixQuarterPool.TestCase.settings
 TestSharedPrefixQuarterPoolByPriorityThreeAhead = SharedPrefixQuarterPoolByPriorityThreeAhead.TestCase
 
 
