@@ -48,7 +48,6 @@ class IncrementalDetokenizer:
             self._ids = []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.output_text = ""  # everything emitted so far
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._stream: DecodeStream | None = None
         if isinstance(self._backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
@@ -65,8 +64,7 @@ class IncrementalDetokenizer:
             delta, ok = self._step(token_ids)
             if ok:
                 if delta:
-                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-                    self.output_text += delta
+                    self._advance()
                 return delta
         return self._emit(final=False)
 
@@ -91,10 +89,14 @@ class IncrementalDetokenizer:
         # still to come: wait, widening the window, rather than emit U+FFFD and then the character.
         if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
             return ""
-        delta = new_text[len(prefix_text):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self.output_text += delta
-        return delta
+        self._advance()
+        return new_text[len(prefix_text):]
+
+    def _advance(self) -> None:
+        """Text was emitted up to the end: the window's context becomes what was new. The ids before it are
+        dropped, so that a long output costs neither memory nor copying per step."""
+        del self._ids[:self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
