@@ -2,11 +2,14 @@
 the real Execute contract (per-request state, rejections, epochs)."""
 from __future__ import annotations
 
+import ctypes
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from executor_svc.benchmark_runner import SleepingRunner
+from executor_svc.benchmark_runner import PR_SET_TIMERSLACK, SleepingRunner, sleep_exactly
 from executor_svc.build import build_model_runner
 from executor_svc.model_runner import StaleEpoch
 from executor_svc.server import executor_info
@@ -55,3 +58,24 @@ def test_speaks_the_execute_contract(runner):
         runner.execute(ExecuteStep([prefill("late", [1], [3])], executor_epoch="another-instance"))
     info = executor_info(runner)
     assert info.attention_backend == "none" and info.epoch == runner.epoch and info.num_blocks == runner.num_blocks
+
+
+@pytest.mark.skipif(not Path("/proc/self/timerslack_ns").exists(), reason="per-thread timer slack is Linux's")
+def test_its_sleep_runs_on_the_least_timer_slack_of_the_thread_that_sleeps():
+    """Linux lets a sleep run up to 50 us late by default, which the busy fraction would count against the
+    control plane; only the thread that sleeps changes."""
+    slack = {}
+
+    def step() -> None:
+        path = Path(f"/proc/{threading.get_native_id()}/timerslack_ns")
+        ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 40_000, 0, 0, 0)  # a new thread's is its creator's
+        slack["before"] = int(path.read_text())
+        sleep_exactly(0.001)
+        slack["after"] = int(path.read_text())
+
+    main_thread_slack = Path("/proc/self/timerslack_ns").read_text()
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert slack == {"before": 40_000, "after": 1}
+    assert Path("/proc/self/timerslack_ns").read_text() == main_thread_slack
