@@ -112,6 +112,8 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
         "steps": steps, "window_s": round(wall, 2), "tokens_per_s": round((tokens1 - tokens0) / wall, 1),
         "step_ms": round(wall / steps * 1e3, 3) if steps else None,
         "overhead_ms_per_step": round(wall / steps * 1e3 - args.sleep_ms, 3) if steps else None,
+        # The engine loop's depth at the window's end, and the running share of its own work that chose it.
+        "steps_out_limit": end.steps_out_limit, "loop_work_share": round(end.loop_work_share, 3),
         "cpu_ms_per_step": {name: round((cpu1[name] - cpu0[name]) / steps * 1e3, 3) if steps else None
                             for name in cpu0},
     }

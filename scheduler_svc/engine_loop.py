@@ -157,8 +157,8 @@ class EngineLoop:
             if outputs:
                 self.publish(outputs)
 
-    def _depth(self) -> int:
-        """How many steps may be out at once."""
+    def steps_out_limit(self) -> int:
+        """How many steps may be out at once, now."""
         if not self.async_scheduling or self.scheduler.suspects or self.outage is not None:
             return 1
         if self.steps_ahead is not None:
@@ -167,7 +167,7 @@ class EngineLoop:
 
     def step(self) -> list[RequestOutput]:
         """Plans and sends steps while the pipeline has room, then applies the oldest one's result."""
-        while len(self.in_flight) < self._depth() and self._has_work_to_plan() and self._send_next():
+        while len(self.in_flight) < self.steps_out_limit() and self._has_work_to_plan() and self._send_next():
             pass
         return self._apply_oldest() if self.in_flight else []
 

@@ -83,7 +83,7 @@ class SchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_steps", "num_preemptions", "kv_rpcs", "executor_rpcs", "num_failed_steps", "num_recomputed_tokens")
+    __slots__ = ("num_running", "num_waiting", "num_steps", "num_preemptions", "kv_rpcs", "executor_rpcs", "num_failed_steps", "num_recomputed_tokens", "steps_out_limit", "loop_work_share")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class SchedulerStats(_message.Message):
     EXECUTOR_RPCS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_OUT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    LOOP_WORK_SHARE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_steps: int
@@ -100,7 +102,9 @@ class SchedulerStats(_message.Message):
     executor_rpcs: int
     num_failed_steps: int
     num_recomputed_tokens: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_rpcs: _Optional[int] = ..., executor_rpcs: _Optional[int] = ..., num_failed_steps: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ...) -> None: ...
+    steps_out_limit: int
+    loop_work_share: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_rpcs: _Optional[int] = ..., executor_rpcs: _Optional[int] = ..., num_failed_steps: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., steps_out_limit: _Optional[int] = ..., loop_work_share: _Optional[float] = ...) -> None: ...
 
 class SchedulerInfoRequest(_message.Message):
     __slots__ = ()

@@ -308,4 +308,8 @@ def test_one_step_at_a_time_and_a_stream_interval_stream_what_steps_planned_ahea
             assert all(len(m) >= 4 for m in messages[2:-1]), messages
             assert len(messages) <= 3 + len(token_ids) // 4
         assert wait_for(lambda: kv_stats(one_at_a_time).num_requests == 0)
+        assert scheduler_stats(one_at_a_time).steps_out_limit == 1
     assert wait_for(lambda: kv_stats(stack).num_requests == 0)
+    # Planned ahead: two steps out, or three while the loop's own work took most of a step (its share, reported).
+    ahead_stats = scheduler_stats(stack)
+    assert ahead_stats.steps_out_limit in (2, 3) and 0 < ahead_stats.loop_work_share < 1

@@ -173,14 +173,14 @@ def test_the_loop_goes_three_steps_out_only_while_its_own_work_takes_most_of_a_s
     for _ in range(30):
         engine.step()
         time.sleep(0.005)
-    assert engine.loop.deep and engine.loop.work_share > DEEPER_ABOVE
+    assert engine.loop.deep and engine.loop.work_share > DEEPER_ABOVE and engine.loop.steps_out_limit() == 3
     sent = len(threaded.applied_when_sent)
     assert any(applied == k - 2 for k, applied in enumerate(threaded.applied_when_sent) if k >= 2)
     # ...and back to two once the executor's step (now 20 ms) dwarfs the loop's work.
     threaded.step_s = 0.02
     for _ in range(30):
         engine.step()
-    assert not engine.loop.deep and engine.loop.work_share < SHALLOWER_BELOW
+    assert not engine.loop.deep and engine.loop.work_share < SHALLOWER_BELOW and engine.loop.steps_out_limit() == 2
     last = len(threaded.applied_when_sent)
     assert last > sent + 5
     assert all(threaded.applied_when_sent[k] == k - 1 for k in range(last - 5, last))
