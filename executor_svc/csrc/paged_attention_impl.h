@@ -203,8 +203,10 @@ static inline V sum_keys(V* p) {
 // One tile of keys for NR query rows at once (qs, acc, m, l and pos point at the block's first row): each
 // K and V vector is loaded once for all of them, and their NR softmax chains and accumulator chains are
 // independent, so that neither the loads nor one row's latency bound the tile. With `prefetch` (the first
-// block of rows over the tile), the tile's values are fetched into L1 while its scores are computed, and the
-// next tile's keys (next_kp, unless null) while the values are applied, a row per key.
+// block of rows over the tile), the tile's values are fetched while its scores are computed, and the next
+// tile's keys (next_kp, unless null) while the values are applied, a row per key. They are fetched into L2,
+// not L1: a core has few L1 misses in flight, and the blocks, scattered over the pool, defeat the hardware
+// prefetchers, so L1 prefetches left decode waiting on memory (1.5x slower at 64 x 512 keys, 2x with AVX2).
 // With qb (bfloat16 through dot_pairs, D a multiple of 2W), the scores are those of qb's unscaled rows, scaled
 // after the sums; otherwise of qs's, scaled already.
 template <typename T, int HEAD_DIM, int NR>
@@ -218,7 +220,7 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
   for (int jj = 0; jj < TK; jj += KB) {
     if (prefetch)
       for (int j = jj; j < jj + KB; j++)
-        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) __builtin_prefetch((const char*)vp[j] + byte, 0, 3);
+        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) __builtin_prefetch((const char*)vp[j] + byte, 0, 2);
     V dots[NR][KB];
     for (int r = 0; r < NR; r++)
       for (int j = 0; j < KB; j++) dots[r][j] = V{};
@@ -283,7 +285,7 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
         if (v < nv) o[r][v] = load(&acc[r][d0 + v * W]) * alpha[r];
     for (int j = 0; j < nk; j++) {
       if (prefetch && next_kp != nullptr && d0 == 0)
-        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) __builtin_prefetch((const char*)next_kp[j] + byte, 0, 3);
+        for (int byte = 0; byte < D * (int)sizeof(T); byte += 64) __builtin_prefetch((const char*)next_kp[j] + byte, 0, 2);
       V w[NR];
       for (int r = 0; r < NR; r++) w[r] = splat(pw[r][j]);
       const T* vr = vp[j] + d0;
