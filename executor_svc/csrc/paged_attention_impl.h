@@ -215,6 +215,8 @@ static inline V sum_keys(V* p) {
 // only these keep the core's memory requests in flight during the arithmetic. They fetch into L2, not L1: a
 // core has few L1 misses in flight, and L1 prefetches left decode waiting on memory (1.5x slower at 64 x 512
 // keys, 2x with AVX2). Spread out, rather than a burst of a tile's keys, they gained about 10% more.
+// With qb (bfloat16 through dot_pairs, D a multiple of 2W), the scores are those of qb's unscaled rows, scaled
+// after the sums; otherwise of qs's, scaled already.
 template <typename T, int HEAD_DIM, int NR>
 static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DIM],
                             const unsigned short (*qb)[MAX_HEAD_DIM], float scale, float (*acc)[MAX_HEAD_DIM],
