@@ -21,7 +21,7 @@ import torch
 from executor_svc.attention.layout import BatchLayout
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "fused_cpu.cpp")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "fused_cpu.cpp", CSRC / "linear_cpu.cpp")
 DEPENDS = (CSRC / "paged_attention_impl.h",)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256

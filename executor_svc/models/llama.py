@@ -8,7 +8,9 @@ cast to the model dtype) so that float32 logits agree to rounding. Given the CPU
 (executor_svc/csrc), a float32 or bfloat16 model runs each RMSNorm and each layer's rotary embedding as one of
 them rather than as several small torch operators, the same arithmetic in the same order, rounded where
 torch's operators round; a float32 model its MLP's SiLU-and-mul too (the exp is the kernels' own; in bfloat16,
-torch's two operators were faster on an AVX512-BF16 EPYC).
+torch's two operators were faster on an AVX512-BF16 EPYC), and its linear layers' float32 products of few rows
+(decodes) as the extension's split_linear: the same products (bit for bit on SmolLM2's shapes), the output
+features split across the threads rather than by MKL.
 """
 from __future__ import annotations
 
@@ -22,6 +24,25 @@ from executor_svc.model_config import ModelArchitecture
 
 # The dtypes the CPU extension's RMSNorm and rotary read and write.
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
+# Products of more rows than this keep MKL's own threading, as fast there (executor_svc/csrc/linear_cpu.cpp).
+SPLIT_LINEAR_MAX_ROWS = 512
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused_ops) -> torch.Tensor:
+    if fused_ops is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= SPLIT_LINEAR_MAX_ROWS:
+        return fused_ops.split_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (its weights load as one's) through linear() above."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fused_ops=None) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.fused_ops = fused_ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.fused_ops)
 
 
 class RMSNorm(nn.Module):
@@ -81,8 +102,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, fused_ops)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, fused_ops)
         self.backend = attention_backend
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
@@ -102,8 +123,8 @@ class MLP(nn.Module):
         super().__init__()
         self.fused_ops = fused_ops
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, fused_ops)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -144,9 +165,10 @@ class LlamaForCausalLM(nn.Module):
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, False, fused_ops
         )
+        self.fused_ops = fused_ops
 
     def forward(
         self,
@@ -164,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self.fused_ops).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,7 +1,8 @@
 """The CPU extension's fused elementwise ops (executor_svc/csrc) against the torch operators they replace in the
 model, on every instruction-set path: the rotary embedding bit for bit and RMSNorm to the rounding of its sum of
 squares, in float32 and bfloat16, SiLU-and-mul to the rounding of its exp, on strided rows, odd widths and batches
-of one to a prefill chunk; the greedy argmax index for index, ties, infinities and NaNs included."""
+of one to a prefill chunk; the greedy argmax index for index, ties, infinities and NaNs included; the linear
+layers' split products as F.linear's."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from executor_svc.attention.cpu_backend import load_extension, supported_isas
-from executor_svc.models.llama import RMSNorm, _apply_rotary
+from executor_svc.models.llama import SPLIT_LINEAR_MAX_ROWS, Linear, RMSNorm, _apply_rotary
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +143,52 @@ def test_rms_norm_leaves_other_dtypes_to_torch(ops):
         assert torch.equal(reference(x), fused(x))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows,in_features,out_features,bias", [(1, 64, 960, False), (64, 576, 3072, True),
+                                                                (7, 96, 100, True), (33, 48, 16, False)])
+def test_split_linear_equals_f_linear(ops, rows, in_features, out_features, bias, threads):
+    """Each output feature is one thread's single-threaded product: F.linear's to rounding whatever the split (odd
+    widths, fewer features than a share, more threads than cores) and on strided x. (MKL's kernels for a narrow
+    share may sum in another order than its threaded product of the whole.)"""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * in_features, generator=gen)[:, ::2]
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ops.split_linear(x, weight, b)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.shape == (rows, out_features) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_split_linear_is_bit_for_bit_on_the_default_models_decode_shapes(ops):
+    """SmolLM2's projections at a 64-request decode, two threads: the very products MKL's threaded call gives."""
+    gen = torch.Generator().manual_seed(0)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for in_features, out_features in [(576, 960), (576, 576), (576, 3072), (1536, 576)]:
+            x, weight = torch.randn(64, in_features, generator=gen), torch.randn(out_features, in_features, generator=gen)
+            assert torch.equal(ops.split_linear(x, weight, None), F.linear(x, weight))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_linear_layers_split_only_products_of_few_rows(ops, monkeypatch):
+    layer = Linear(32, 48, True, ops)
+    calls = []
+    monkeypatch.setattr(layer, "fused_ops", type("Ops", (), {"split_linear": lambda self, *a: calls.append(a) or ops.split_linear(*a)})())
+    with torch.no_grad():
+        for rows in (1, SPLIT_LINEAR_MAX_ROWS, SPLIT_LINEAR_MAX_ROWS + 1):
+            x = torch.randn(rows, 32)
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.double()(torch.randn(4, 32, dtype=torch.float64))  # not float32: torch's
+    assert [a[0].shape[0] for a in calls] == [1, SPLIT_LINEAR_MAX_ROWS]
+
+
 def test_fused_ops_refuse_what_they_cannot_read(ops):
     with pytest.raises(RuntimeError, match="float32"):
         ops.rms_norm(torch.empty(2, 8), torch.ones(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
@@ -157,6 +204,10 @@ def test_fused_ops_refuse_what_they_cannot_read(ops):
         ops.argmax(torch.ones(2, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="logits"):
         ops.argmax(torch.ones(2, 0))
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.split_linear(torch.ones(2, 8), torch.ones(4, 9), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.split_linear(torch.ones(2, 8), torch.ones(4, 8), torch.ones(5))
     with pytest.raises(RuntimeError, match="cos and sin"):
         ops.rotary(torch.ones(2, 16), torch.ones(2, 8), torch.ones(2, 4), torch.ones(2, 8), 8)
     # Every tensor of a call in one dtype: a bfloat16 row is not read as float32 bits, nor written as them.
