@@ -8,9 +8,9 @@ cast to the model dtype) so that float32 logits agree to rounding. Given the CPU
 (executor_svc/csrc), a float32 or bfloat16 model runs each RMSNorm and each layer's rotary embedding as one of
 them rather than as several small torch operators, the same arithmetic in the same order, rounded where
 torch's operators round; a float32 model its MLP's SiLU-and-mul too (the exp is the kernels' own; in bfloat16,
-torch's two operators were faster on an AVX512-BF16 EPYC), and its linear layers' float32 products of few rows
-(decodes) as the extension's split_linear: the same products (bit for bit on SmolLM2's shapes), the output
-features split across the threads rather than by MKL.
+torch's two operators were faster on an AVX512-BF16 EPYC), and its linear layers' products of few rows (decodes)
+as the extension's split_linear: the same products (bit for bit on SmolLM2's shapes), the output features split
+across the threads rather than by MKL or oneDNN.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ SPLIT_LINEAR_MAX_ROWS = 512
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused_ops) -> torch.Tensor:
-    if fused_ops is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= SPLIT_LINEAR_MAX_ROWS:
+    if fused_ops is not None and x.dtype in FUSED_DTYPES and x.dim() == 2 and x.shape[0] <= SPLIT_LINEAR_MAX_ROWS:
         return fused_ops.split_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -165,13 +165,16 @@ def test_split_linear_equals_f_linear(ops, rows, in_features, out_features, bias
 
 
 def test_split_linear_is_bit_for_bit_on_the_default_models_decode_shapes(ops):
-    """SmolLM2's projections at a 64-request decode, two threads: the very products MKL's threaded call gives."""
+    """SmolLM2's projections at a 64-request decode, two threads, float32 and bfloat16: the very products torch's
+    threaded call gives."""
     gen = torch.Generator().manual_seed(0)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for in_features, out_features in [(576, 960), (576, 576), (576, 3072), (1536, 576)]:
             x, weight = torch.randn(64, in_features, generator=gen), torch.randn(out_features, in_features, generator=gen)
+            assert torch.equal(ops.split_linear(x, weight, None), F.linear(x, weight))
+            x, weight = x.bfloat16(), weight.bfloat16()
             assert torch.equal(ops.split_linear(x, weight, None), F.linear(x, weight))
     finally:
         torch.set_num_threads(previous)
