@@ -27,7 +27,6 @@ def _synchronize(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-@torch.inference_mode()
 def linear_layers_seconds(model, num_tokens: int, num_logits: int, num_layers: int | None = None,
                           repeats: int = 1) -> float:
     """Median seconds of the model's linear layers alone on random activations: every nn.Linear of its first
