@@ -418,10 +418,12 @@ class Service:
     def drain(self, drainable: Drainable, timeout: float, interrupted: threading.Event | None = None) -> bool:
         """NOT_SERVING, new requests refused, and up to timeout seconds (less if interrupted is set) for
         the requests in flight to finish, while the server goes on serving them. Whether they all did."""
+        # New requests are refused before NOT_SERVING shows: a client that sees it and sends one anyway
+        # must be refused, not admitted in the moment between the two.
+        drainable.start_draining()
         with self.health_lock:
             self.draining = True
             self._set_health("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        drainable.start_draining()
         logger.info("%s draining: NOT_SERVING, refusing new requests, up to %g s for those in flight",
                     self.name, timeout)
         deadline = time.monotonic() + timeout
