@@ -28,7 +28,7 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& weight, const std
   // An inference op (it has no gradient): the products below skip autograd even where the weights require grad.
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   at::Tensor out = at::empty({x.size(0), N}, x.options());
-  const at::Tensor xc = x.contiguous();
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();  // rows may be strided (the MLP's gate half)
   const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / MIN_FEATURES_PER_THREAD));
   std::exception_ptr error;
   const at::ThreadLocalState caller_state;  // the caller's modes (autograd's above all), as at::parallel_for passes them

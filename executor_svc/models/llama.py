@@ -129,7 +129,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused_ops is not None and gate_up.dtype == torch.float32:
-            activated = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            # In place, over the gate half (each element read before it is written): no new [T, I] tensor
+            # to fault in, and its lines are the ones just read. The down projection reads the strided rows.
+            activated = gate_up[:, : self.intermediate_size]
             self.fused_ops.silu_mul(activated, gate_up)
             return self.down_proj(activated)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)

@@ -100,7 +100,12 @@ def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate):
     gate, up = gate_up.split(intermediate, dim=-1)
     out = torch.empty(num_tokens, intermediate)
     ops.silu_mul(out, gate_up)
-    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-30)
+    # In place over the gate half, as the MLP calls it: the same values, the up half untouched.
+    up_before = up.clone()
+    ops.silu_mul(gate, gate_up)
+    assert torch.equal(gate, out) and torch.equal(up, up_before)
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1000, 49152])
@@ -173,9 +178,14 @@ def test_split_linear_is_bit_for_bit_on_the_default_models_decode_shapes(ops):
     try:
         for in_features, out_features in [(576, 960), (576, 576), (576, 3072), (1536, 576)]:
             x, weight = torch.randn(64, in_features, generator=gen), torch.randn(out_features, in_features, generator=gen)
-            assert torch.equal(ops.split_linear(x, weight, None), F.linear(x, weight))
-            x, weight = x.bfloat16(), weight.bfloat16()
-            assert torch.equal(ops.split_linear(x, weight, None), F.linear(x, weight))
+            # Rows strided in place too (the down projection reads the gate half of gate_up).
+            wider = torch.cat([x, torch.randn_like(x)], dim=1)
+            for dtype in (torch.float32, torch.bfloat16):
+                x, weight = x.to(dtype), weight.to(dtype)
+                row_strided = wider.to(dtype)[:, :in_features]
+                assert row_strided.stride() == (2 * in_features, 1)
+                assert torch.equal(ops.split_linear(x, weight, None), F.linear(x, weight))
+                assert torch.equal(ops.split_linear(row_strided, weight, None), F.linear(x, weight))
     finally:
         torch.set_num_threads(previous)
 
