@@ -223,20 +223,13 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
 }
 
-// out [T, I] = silu(gate) * up for gu [T, 2I] = (gate, up), float32 (rows may be strided).
-void silu_mul(at::Tensor out, const at::Tensor& gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0 && gu.scalar_type() == at::kFloat,
-              "gate_up is [T, 2 * I] float32 with contiguous rows");
-  const long T = gu.size(0);
-  const int I = gu.size(1) / 2;
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == I && out.stride(1) == 1 &&
-              out.scalar_type() == at::kFloat, "out is [T, I] float32 with contiguous rows");
-  const float* g = gu.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const long gs = gu.stride(0), os = out.stride(0);
+// out [T, I] = silu(gate) * up for gu [T, 2I] = (gate, up), float32 or bfloat16 (rows may be strided; out may be
+// gu's gate half).
+template <typename T>
+void silu_mul_for(T* o, long os, const T* g, long gs, long T_rows, int I) {
   const Isa isa = current_isa;
   // A decode step's few rows stay on one thread, where waking the others would cost more.
-  at::parallel_for(0, T, std::max<long>(1, (1 << 15) / std::max(I, 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_rows, std::max<long>(1, (1 << 15) / std::max(I, 1)), [&](int64_t begin, int64_t end) {
 #if defined(__x86_64__)
     if (isa == Isa::avx512 || isa == Isa::avx512_bf16)
       isa_avx512::silu_mul_rows(g, gs, o, os, begin, end, I);
@@ -246,6 +239,22 @@ void silu_mul(at::Tensor out, const at::Tensor& gu) {
 #endif
       isa_baseline::silu_mul_rows(g, gs, o, os, begin, end, I);
   });
+}
+
+void silu_mul(at::Tensor out, const at::Tensor& gu) {
+  const at::ScalarType dtype = gu.scalar_type();
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0 &&
+              (dtype == at::kFloat || dtype == at::kBFloat16),
+              "gate_up is [T, 2 * I] float32 or bfloat16 with contiguous rows");
+  const long T = gu.size(0);
+  const int I = gu.size(1) / 2;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == I && out.stride(1) == 1 && out.scalar_type() == dtype,
+              "out is [T, I] in gate_up's dtype with contiguous rows");
+  if (dtype == at::kFloat)
+    silu_mul_for(out.data_ptr<float>(), out.stride(0), gu.data_ptr<float>(), gu.stride(0), T, I);
+  else
+    silu_mul_for(static_cast<unsigned short*>(out.data_ptr()), out.stride(0),
+                 static_cast<const unsigned short*>(gu.data_ptr()), gu.stride(0), T, I);
 }
 
 // The greedy token of each row of logits [T, N] float32: torch's argmax(dim=-1) (the first largest, a NaN

@@ -553,27 +553,37 @@ static void run(const Args& a, const WorkItem& it) {
     run_item<float>(a, it);
 }
 
-// The MLP's SiLU-and-mul, one pass over rows [begin, end) of gu ([T, 2I]: gate, then up): out = gate / (1 +
-// exp(-gate)) * up, torch's arithmetic in its order with this file's exp. (It lives here for the vector
-// types and exp of each instruction set.)
-static void silu_mul_rows(const float* gu, long gu_stride, float* out, long out_stride, long begin, long end, int I) {
-  for (long t = begin; t < end; t++) {
-    const float* g = gu + t * gu_stride;
-    const float* u = g + I;
-    float* o = out + t * out_stride;
-    int i = 0;
-    for (; i + W <= I; i += W) {
-      const V x = load(g + i);
-      store(o + i, x / (1.f + vexp(-x)) * load(u + i));
-    }
-    for (; i < I; i++) o[i] = g[i] / (1.f + vexp(splat(-g[i]))[0]) * u[i];
-  }
-}
-
 static inline float round_bf16(float x) {
   unsigned short bits;
   from_float(x, &bits);
   return to_float(bits);
+}
+
+// The MLP's SiLU-and-mul, one pass over rows [begin, end) of gu ([T, 2I]: gate, then up): out = gate / (1 +
+// exp(-gate)) * up, torch's arithmetic in its order with this file's exp; in bfloat16 the SiLU is rounded before
+// the product and the product after it, as torch's two operators round. out may be gu's gate half (each element
+// is read before it is written). (It lives here for the vector types and exp of each instruction set.)
+template <typename T>
+static void silu_mul_rows(const T* gu, long gu_stride, T* out, long out_stride, long begin, long end, int I) {
+  constexpr bool BF16 = sizeof(T) == 2;
+  for (long t = begin; t < end; t++) {
+    const T* g = gu + t * gu_stride;
+    const T* u = g + I;
+    T* o = out + t * out_stride;
+    int i = 0;
+    for (; i + W <= I; i += W) {
+      const V x = load(g + i);
+      V silu = x / (1.f + vexp(-x));
+      if constexpr (BF16) silu = round_bf16(silu);
+      store(o + i, silu * load(u + i));
+    }
+    for (; i < I; i++) {
+      const float x = to_float(g[i]);
+      float silu = x / (1.f + vexp(splat(-x))[0]);
+      if constexpr (BF16) silu = round_bf16(silu);
+      from_float(silu * to_float(u[i]), o + i);
+    }
+  }
 }
 
 // fused_cpu.cpp's RMSNorm (with its skip connection when residual is given) on bfloat16 rows [begin, end):

@@ -128,7 +128,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused_ops is not None and gate_up.dtype == torch.float32:
+        if self.fused_ops is not None and gate_up.dtype in FUSED_DTYPES:
             # In place, over the gate half (each element read before it is written): no new [T, I] tensor
             # to fault in, and its lines are the ones just read. The down projection reads the strided rows.
             activated = gate_up[:, : self.intermediate_size]

@@ -108,6 +108,26 @@ def test_silu_mul_matches_torch_to_rounding(ops, isa, num_tokens, intermediate):
     assert torch.equal(gate, out) and torch.equal(up, up_before)
 
 
+@pytest.mark.parametrize("num_tokens,intermediate", [(1, 1536), (64, 1536), (700, 1536), (3, 37)])
+def test_silu_mul_in_bfloat16_rounds_as_torchs_two_operators(ops, isa, num_tokens, intermediate):
+    """SiLU rounded to bfloat16, then its product with up rounded: torch's F.silu(gate) * up, equal but where the
+    exps (this file's and torch's, each within 2 ulp in float32) land on either side of a rounding boundary."""
+    torch.manual_seed(intermediate)
+    gate_up = (torch.randn(num_tokens, 2 * intermediate + 6) * 30).bfloat16()[:, :2 * intermediate]
+    gate, up = gate_up.split(intermediate, dim=-1)
+    out = torch.empty(num_tokens, intermediate, dtype=torch.bfloat16)
+    ops.silu_mul(out, gate_up)
+    expected = F.silu(gate) * up
+    # (Below -88 the exp saturates: torch's SiLU is -0 there, this one's a number under 1e-30.)
+    differ = ~torch.isclose(out.float(), expected.float(), rtol=0, atol=1e-30)
+    assert differ.float().mean() < 1e-3
+    # Where they differ, by one bfloat16 step of the SiLU at most (times up, rounded).
+    torch.testing.assert_close(out.float()[differ], expected.float()[differ], rtol=2 ** -7, atol=0)
+    up_before = up.clone()
+    ops.silu_mul(gate, gate_up)
+    assert torch.equal(gate, out) and torch.equal(up, up_before)
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 16, 33, 1000, 49152])
 def test_argmax_equals_torch_index_for_index(ops, isa, vocab):
     torch.manual_seed(vocab)
@@ -233,5 +253,7 @@ def test_fused_ops_refuse_what_they_cannot_read(ops):
         ops.add_rms_norm(torch.empty_like(bf16), torch.ones(2, 8), bf16, torch.ones(8, dtype=torch.bfloat16), 1e-6)
     with pytest.raises(RuntimeError, match="cos and sin"):
         ops.rotary(torch.ones(2, 16, dtype=torch.bfloat16), bf16, torch.ones(2, 8), torch.ones(2, 8), 8)
+    with pytest.raises(RuntimeError, match="gate_up's dtype"):
+        ops.silu_mul(torch.empty(2, 4), torch.ones(2, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="gate_up"):
-        ops.silu_mul(torch.empty(2, 4, dtype=torch.bfloat16), torch.ones(2, 8, dtype=torch.bfloat16))
+        ops.silu_mul(torch.empty(2, 4, dtype=torch.float16), torch.ones(2, 8, dtype=torch.float16))
