@@ -34,7 +34,7 @@ from executor_svc.costs import copy_bytes_per_s, prefill_tokens_per_s
 from executor_svc.offload import HostTier, RedisTier, SwapSpace
 from executor_svc.sampler import Sampler, SamplingBatch, TokenCounts
 from executor_svc.structured_output import GrammarError, RequestGrammar, StructuredOutput
-from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, cpu_bf16_choice
+from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, dtype_reason
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import (
     BlockTransfer, ExecuteRequest, ExecuteResult, ExecuteStep, PromptLogprobs, SampledToken, num_loaded_tokens,
@@ -44,14 +44,6 @@ logger = logging.getLogger(__name__)
 
 # Prompt logprobs are computed over this many positions at a time: a [rows, vocab] float32 block each.
 PROMPT_LOGPROBS_ROWS = 256
-
-
-def _dtype_reason(requested: str, resolved: ModelConfig) -> str:
-    if requested != "auto":
-        return "requested"
-    if resolved.device.startswith("cuda"):
-        return "auto: CUDA"
-    return f"auto: {cpu_bf16_choice()[1]}"
 
 
 class StaleEpoch(Exception):
@@ -98,7 +90,7 @@ class ModelRunner:
         torch.manual_seed(model_config.seed)
         self.device = torch.device(model_config.device)
         self.dtype = parse_dtype(model_config.dtype)
-        logger.info("dtype %s (%s)", model_config.dtype, _dtype_reason(requested_dtype, model_config))
+        logger.info("dtype %s (%s)", model_config.dtype, dtype_reason(requested_dtype, model_config.device))
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.cpu_threads or len(os.sched_getaffinity(0)))
             logger.info("%d torch threads", torch.get_num_threads())

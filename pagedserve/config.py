@@ -212,6 +212,15 @@ def cpu_bf16_choice() -> tuple[bool, str]:
                                          f"{speedup:.2f}x as fast as float32, {verdict} {BF16_MIN_SPEEDUP}x")
 
 
+def dtype_reason(requested: str, device: str) -> str:
+    """Why a model config of dtype `requested` runs in the dtype resolved() gives it on `device`."""
+    if requested != "auto":
+        return "requested"
+    if device.startswith("cuda"):
+        return "auto: CUDA"
+    return f"auto: {cpu_bf16_choice()[1]}"
+
+
 def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
     """Which of CPU_BF16_FLAGS this CPU reports; none where the flags cannot be read (never assumed)."""
     try:

@@ -17,6 +17,7 @@ from pagedserve.config import (
     SchedulerConfig,
     ServingConfig,
     add_arguments,
+    dtype_reason,
     from_args,
 )
 
@@ -66,10 +67,13 @@ def _up(args: argparse.Namespace) -> int:
             stack = _compose_stack(args, configs)
             print(f"starting the services of {args.compose} ...", flush=True)
         else:
+            requested_dtype = configs[ModelConfig].dtype
             model = configs[ModelConfig].resolved()
             config = PagedServeConfig(model, configs[CacheConfig], configs[SchedulerConfig], configs[ServingConfig])
             stack = Stack(config)
-            print(f"starting pagedserve ({model.model} on {model.device}, {model.dtype}) ...", flush=True)
+            # The executor is given the resolved dtype; why `auto` chose it is said here.
+            why = f", {dtype_reason(requested_dtype, model.device)}" if requested_dtype == "auto" else ""
+            print(f"starting pagedserve ({model.model} on {model.device}, {model.dtype}{why}) ...", flush=True)
     except (ValueError, OSError) as error:
         args.parser.error(str(error))
     stopping = threading.Event()

@@ -302,9 +302,13 @@ def test_auto_dtype_follows_the_cpus_bfloat16_support(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "cpu_bf16_speedup", lambda: 0.6)
     assert ModelConfig(device="cpu").resolved().dtype == "float32"
     assert "0.60x as fast as float32, under 1.3x" in config.cpu_bf16_choice()[1]
+    assert config.dtype_reason("auto", "cpu") == "auto: " + config.cpu_bf16_choice()[1]
     monkeypatch.setattr(config, "cpu_bf16_flags", lambda: ())
     assert ModelConfig(device="cpu").resolved().dtype == "float32"
     assert ModelConfig(device="cuda").resolved().dtype == "bfloat16"
+    assert config.dtype_reason("auto", "cpu") == "auto: the CPU has no native bfloat16 matrix support"
+    assert config.dtype_reason("auto", "cuda:0") == "auto: CUDA"
+    assert config.dtype_reason("float32", "cpu") == "requested"
     with pytest.raises(ValueError, match="cpu_threads must be at least 1"):
         ModelConfig(cpu_threads=0)
 
