@@ -7,10 +7,9 @@ The arithmetic follows transformers' LlamaModel step for step (norms in float32,
 cast to the model dtype) so that float32 logits agree to rounding. Given the CPU extension's fused ops
 (executor_svc/csrc), a float32 or bfloat16 model runs each RMSNorm and each layer's rotary embedding as one of
 them rather than as several small torch operators, the same arithmetic in the same order, rounded where
-torch's operators round; a float32 model its MLP's SiLU-and-mul too (the exp is the kernels' own; in bfloat16,
-torch's two operators were faster on an AVX512-BF16 EPYC), and its linear layers' products of few rows (decodes)
-as the extension's split_linear: the same products (bit for bit on SmolLM2's shapes), the output features split
-across the threads rather than by MKL or oneDNN.
+torch's operators round; its MLP's SiLU-and-mul too, in place over the gate half (the exp is the kernels' own),
+and its linear layers' products of few rows (decodes) as the extension's split_linear: the same products (bit
+for bit on SmolLM2's shapes), the output features split across the threads rather than by MKL or oneDNN.
 """
 from __future__ import annotations
 
