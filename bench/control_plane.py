@@ -114,6 +114,8 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
         "overhead_ms_per_step": round(wall / steps * 1e3 - args.sleep_ms, 3) if steps else None,
         # The engine loop's depth at the window's end, and the running share of its own work that chose it.
         "steps_out_limit": end.steps_out_limit, "loop_work_share": round(end.loop_work_share, 3),
+        # Calls to the KV-cache service per step (fewer than one: steps planned on slots reserved ahead).
+        "kv_calls_per_step": round((end.kv_rpcs - start.kv_rpcs) / steps, 3) if steps else None,
         "cpu_ms_per_step": {name: round((cpu1[name] - cpu0[name]) / steps * 1e3, 3) if steps else None
                             for name in cpu0},
     }

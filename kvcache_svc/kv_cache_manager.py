@@ -8,6 +8,13 @@ and is reported preempted, until the request fits or is itself the one preempted
 last-in-first-out by construction and the scheduler never predicts a block count. Waiting requests are
 admitted in order, only if nobody was preempted this step, up to the first that does not fit.
 
+Slots reserved ahead (``lookahead_slots``, asked for by a scheduler whose own work limits the steps): once
+every need and admission of the step is met and nobody was preempted, each running request, in order, gets
+the blocks for that many slots past what it needs, while a quarter of the pool stays free. Each answer says
+how many slots the table of every request it gave blocks holds (``num_slots``), and the scheduler plans the
+steps that need no more, admit nobody and free nothing without calling. Those steps' tokens reach this
+manager with the next call, which names and indexes their blocks as it does any call's.
+
 With prefix caching (on by default) every full block is indexed under its chained hash once the step that
 computes it has run: the call that plans a step names the blocks it fills with known tokens, and a later
 call, which lists the steps the executor ran since the call before it (and which requests of them failed),
@@ -235,8 +242,29 @@ class KVCacheManager:
                 if admitted is None:
                     break
                 result.new_block_ids[request.request_id], result.num_cached_tokens[request.request_id] = admitted
+            if step_request.lookahead_slots:
+                self._reserve_ahead(running, step_request.lookahead_slots, result)
+        bs = self.block_size
+        result.num_slots = {request_id: len(self.requests[request_id].blocks) * bs
+                            for request_id, block_ids in result.new_block_ids.items() if block_ids}
         self._collect_transfers(result)
         return result
+
+    def _reserve_ahead(self, running: list[BlockRequest], lookahead_slots: int, result: BlockStepResult) -> None:
+        """Gives the running requests, in order, the blocks for lookahead_slots more slots than they need, while
+        a quarter of the pool stays free: only once every request's and every admission's needs are met, so
+        that no reservation ever makes another request wait or be preempted."""
+        spare = self.num_free_blocks - self.num_blocks // 4
+        for request in running:
+            state = self.requests[request.request_id]
+            num_ahead = -(-(request.num_tokens + lookahead_slots) // self.block_size) - len(state.blocks)
+            if num_ahead <= 0:
+                continue
+            if num_ahead > spare:
+                return
+            spare -= num_ahead
+            state.blocks.extend(self.block_pool.get_new_blocks(num_ahead))
+            result.new_block_ids[request.request_id] = [block.block_id for block in state.blocks[state.num_blocks_sent:]]
 
     def _check_restored(self, planned_step_id: int) -> None:
         if self._restored_step_ids is None:

@@ -122,7 +122,7 @@ def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockS
         scheduler_id=request.scheduler_id, executor_epoch=request.executor_epoch, step_id=request.step_id,
         executed_step_ids=request.executed_step_ids, failed_request_ids=request.failed_request_ids,
         planned_step_id=request.planned_step_id,
-        free_request_ids=request.free_request_ids,
+        free_request_ids=request.free_request_ids, lookahead_slots=request.lookahead_slots,
     )
     running, columns = request.running, out.running
     columns.request_ids[:] = [r.request_id for r in running]
@@ -141,7 +141,9 @@ def block_step_request_to_proto(request: BlockStepRequest) -> kvcache_pb2.BlockS
 
 
 def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> BlockStepRequest:
-    """Raises ValueError when the running requests' arrays do not line up."""
+    """Raises ValueError when the running requests' arrays do not line up, or lookahead_slots is negative."""
+    if message.lookahead_slots < 0:
+        raise ValueError(f"lookahead_slots must be at least 0, got {message.lookahead_slots}")
     return BlockStepRequest(
         scheduler_id=message.scheduler_id,
         executor_epoch=message.executor_epoch,
@@ -154,6 +156,7 @@ def block_step_request_from_proto(message: kvcache_pb2.BlockStepRequest) -> Bloc
         waiting=[BlockRequest(r.request_id, r.num_tokens, prompt_token_ids=list(r.prompt_token_ids),
                               cache_salt=r.cache_salt or None)
                  for r in message.waiting],
+        lookahead_slots=message.lookahead_slots,
     )
 
 
@@ -191,6 +194,7 @@ def block_step_result_to_proto(result: BlockStepResult) -> kvcache_pb2.BlockStep
         delta = out.deltas[request_id]
         delta.block_ids[:] = block_ids
         delta.num_cached_tokens = result.num_cached_tokens.get(request_id, 0)
+        delta.num_slots = result.num_slots[request_id]
         _transfers_to_proto(result.tier_loads.get(request_id, []), delta.tier_loads)
     _transfers_to_proto(result.saves_before, out.saves_before)
     _transfers_to_proto(result.saves_after, out.saves_after)
@@ -214,6 +218,7 @@ def block_step_result_from_proto(message: kvcache_pb2.BlockStepResult) -> BlockS
     return BlockStepResult(
         new_block_ids={rid: list(d.block_ids) for rid, d in message.deltas.items()},
         num_cached_tokens={rid: d.num_cached_tokens for rid, d in message.deltas.items()},
+        num_slots={rid: d.num_slots for rid, d in message.deltas.items()},
         preempted_request_ids=list(message.preempted_request_ids),
         tier_loads={rid: _transfers_from_proto(d.tier_loads) for rid, d in message.deltas.items() if d.tier_loads},
         saves_before=_transfers_from_proto(message.saves_before),

@@ -79,6 +79,10 @@ class BlockStepRequest:
     running: list[BlockRequest] = field(default_factory=list)
     # Waiting requests to admit, in order, while nobody was preempted and each fits.
     waiting: list[BlockRequest] = field(default_factory=list)
+    # Slots to reserve ahead: once the step is served, each running request gets blocks for this many slots
+    # past what it needs, while the pool has a quarter of its blocks to spare, so that the scheduler can plan
+    # the next steps without a call until one of them runs out (see BlockStepResult.num_slots).
+    lookahead_slots: int = 0
 
 
 @dataclass(slots=True)
@@ -103,6 +107,8 @@ class BlockStepResult:
     swap_free: list[bytes] = field(default_factory=list)
     # The executor instance whose pool served this answer (several executors: each has its own).
     executor_epoch: str = ""
+    # Per request whose table grew this step (admitted ones included): the slots its whole table holds.
+    num_slots: dict[str, int] = field(default_factory=dict)
 
 
 def one_executor(step: Callable[[BlockStepRequest], BlockStepResult]) -> Callable[[BlockStepRequest],

@@ -11,7 +11,9 @@ When the loop's own work (applying, publishing, planning with the block manager)
 executor's step (a fast executor, hundreds of running requests, a busy machine), two are not enough: a
 plan that comes late leaves the executor idle. The loop then goes three steps out, and back to two once
 its work is a small part of the step again; it measures both as it goes. Three steps out costs a new
-request one more step before its first, so it is not the rule. Without async_scheduling, or while a
+request one more step before its first, so it is not the rule. While three out, the loop also has the block
+manager reserve slots ahead (see Scheduler.reserve_ahead), so that most steps of a steady decode are
+planned without calling it: that call is the largest part of the loop's work. Without async_scheduling, or while a
 suspect runs alone or a peer is down, one step is out at a time. The executor runs steps in the order
 they were planned (each names the one it follows).
 
@@ -167,6 +169,7 @@ class EngineLoop:
 
     def step(self) -> list[RequestOutput]:
         """Plans and sends steps while the pipeline has room, then applies the oldest one's result."""
+        self.scheduler.reserve_ahead = self.steps_out_limit() >= 3
         while len(self.in_flight) < self.steps_out_limit() and self._has_work_to_plan() and self._send_next():
             pass
         return self._apply_oldest() if self.in_flight else []
@@ -205,8 +208,11 @@ class EngineLoop:
     def _measure(self, waited_from: float) -> None:
         """Folds the cycle that ends with this result into the running share of the loop's work."""
         now = time.perf_counter()
+        # Calls to the block manager skipped meanwhile count as the work they would have been, so that the
+        # reservations that let the loop skip them do not switch themselves off.
+        skipped, self.scheduler.call_seconds_skipped = self.scheduler.call_seconds_skipped, 0.0
         if self.last_result_at is not None and now > self.last_result_at:
-            work = (waited_from - self.last_result_at) / (now - self.last_result_at)
+            work = (waited_from - self.last_result_at + skipped) / (now - self.last_result_at)
             self.work_share += WORK_SHARE_WEIGHT * (work - self.work_share)
             if self.work_share > DEEPER_ABOVE:
                 self.deep = True

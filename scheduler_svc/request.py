@@ -19,7 +19,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
         "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
         "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival", "num_pending_samples",
-        "prompt_logprobs", "prompt_logprobs_sent", "executor_id", "num_tokens", "structured",
+        "prompt_logprobs", "prompt_logprobs_sent", "executor_id", "num_tokens", "structured", "num_slots", "unsent_block_ids",
     )
 
     def __init__(
@@ -69,6 +69,9 @@ class Request:
         self.num_preemptions = 0
         self.cache_salt = cache_salt
         self.num_tokens_sent_to_kv = 0  # the block manager knows this many of its tokens
+        self.num_slots = 0  # running: the slots its block table holds, as the block manager last said
+        # Running: blocks reserved for it in a step it had no row in, which its next row carries.
+        self.unsent_block_ids: list[int] = []
         self.executor_id = ""  # running: the executor (address) it was admitted on
 
     def num_tokens_to_compute(self) -> int:

@@ -26,6 +26,12 @@ blocks go back. One whose pending token reaches max_tokens is not planned again.
 request can have two samples pending; one preempted meanwhile is re-admitted only once they have come
 back, since an admission names every token it starts from.
 
+With three steps out the scheduler also asks the block manager to reserve a block's worth of slots ahead
+for each running request (reserve_ahead), and plans a step without calling it when no running request
+needs more slots than the block manager said its table holds, nobody waits to be admitted and nothing is
+to be freed; the tokens of those steps go to the block manager with the next call. A block reserved for a
+request that has no row in that step (its budget spent, or its last sample pending) goes with its next row.
+
 A step that fails is rolled back by recompute, together with any step sent after it: their requests give
 their blocks back and are re-admitted (mostly from the prefix cache, which indexes a block only once its
 step has run). A request the executor refuses (a bad token id, block or position) fails alone with the
@@ -44,6 +50,7 @@ of its own until it has them all: a prompt taken from the prefix cache would not
 from __future__ import annotations
 
 import bisect
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +67,8 @@ from pagedserve.step import (
     num_loaded_tokens,
 )
 from scheduler_svc.request import Request, RequestStatus
+
+CALL_SECONDS_WEIGHT = 0.1  # of the latest call in the running average of a block-manager call's time
 
 
 class BlockManagerUnavailable(Exception):
@@ -117,6 +126,18 @@ class Scheduler:
         self.num_preemptions = 0
         # Computed, then given back (preemption, a failed step): recomputed, or loaded where a copy was kept.
         self.num_recomputed_tokens = 0
+        # Reserving slots ahead (set by the engine loop while it keeps three steps out): the block manager
+        # gives each running request a block's worth of slots more than it needs, and a step that needs no
+        # more slots than the requests hold, admits nobody and frees nothing is planned without calling it.
+        self.reserve_ahead = False
+        # The executor instance of each pool in the last answer, which a step planned without a call goes to.
+        self.answer_epochs: dict[str, str] = {}
+        # The time a call to the block manager takes (running average), and the calls skipped and the time
+        # they would have taken (the engine loop counts that time as its work, so that skipping calls does not
+        # make it stop reserving).
+        self.call_seconds = 0.0
+        self.num_calls_skipped = 0
+        self.call_seconds_skipped = 0.0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -184,17 +205,12 @@ class Scheduler:
 
         step_id = self.next_step_id
         self.next_step_id += 1
-        answers = self.allocate_blocks(BlockStepRequest(
-            scheduler_id=self.scheduler_id, executor_epoch=self.executor_epoch, step_id=step_id,
-            executed_step_ids=self.executed_step_ids, failed_request_ids=self.failed_request_ids,
-            planned_step_id=self.planned_step_id,
-            free_request_ids=self.pending_frees,
-            running=[self._grow_request(s) for s in running],
-            waiting=[self._admit_request(s) for s in waiting],
-        ))
-        self.planned_step_id, self.executed_step_ids, self.failed_request_ids = step_id, [], []
-        for s in running:  # the block manager now knows every token these requests have
-            s.request.num_tokens_sent_to_kv = s.request.num_tokens
+        if self._needs_no_call(running, waiting):
+            answers = {address: BlockStepResult(executor_epoch=epoch) for address, epoch in self.answer_epochs.items()}
+            self.num_calls_skipped += 1
+            self.call_seconds_skipped += self.call_seconds
+        else:
+            answers = self._call_block_manager(step_id, running, waiting)
         executor_frees, self.pending_frees = self.pending_frees, []
         # A waiting request is admitted on the executor whose answer serves it.
         admitted_on = {request_id: address for address, blocks in answers.items() for request_id in blocks.new_block_ids}
@@ -212,6 +228,8 @@ class Scheduler:
         preempted = set(preempted_ids)
         scheduled = [s for s in running if s.num_new_tokens > 0 and s.request.request_id not in preempted] \
             if preempted else [s for s in running if s.num_new_tokens > 0]
+        if self.reserve_ahead and len(scheduled) < len(running):
+            self._keep_unsent_blocks(running, preempted, answers)
         requests = [self._running_row(s, answers[s.request.executor_id]) for s in scheduled]
         requests += [self._admitted_row(s, answers[s.request.executor_id]) for s in admitted]
         planned = [s.request for s in scheduled]
@@ -221,7 +239,7 @@ class Scheduler:
             ExecuteStep(
                 requests=requests if len(answers) == 1 else
                 [row for row, request in zip(requests, planned) if request.executor_id == address],
-                finished_request_ids=executor_frees, executor_epoch=blocks.executor_epoch or self.executor_epoch,
+                finished_request_ids=executor_frees, executor_epoch=self.answer_epochs[address],
                 scheduler_id=self.scheduler_id, save_blocks=blocks.saves_before, save_blocks_after=blocks.saves_after,
                 step_id=step_id, swap_out=blocks.swap_out, swap_free=blocks.swap_free, executor_id=address,
             )
@@ -230,6 +248,54 @@ class Scheduler:
         if len(parts) == 1:
             return parts[0]
         return ExecuteStep(requests=requests, scheduler_id=self.scheduler_id, step_id=step_id, parts=parts)
+
+    def _needs_no_call(self, running: list[_Scheduled], waiting: list[_Scheduled]) -> bool:
+        """Whether the step can be planned without the block manager: slots are reserved ahead, and there is
+        nothing to admit or free and no running request that needs more slots than its table holds."""
+        if not self.reserve_ahead or waiting or self.pending_frees or self.suspects or not self.answer_epochs:
+            return False
+        epochs = self.answer_epochs
+        for s in running:
+            request = s.request
+            if request.num_computed_tokens + s.num_new_tokens > request.num_slots or request.executor_id not in epochs:
+                return False
+        return True
+
+    def _call_block_manager(self, step_id: int, running: list[_Scheduled],
+                            waiting: list[_Scheduled]) -> dict[str, BlockStepResult]:
+        started = time.perf_counter()
+        answers = self.allocate_blocks(BlockStepRequest(
+            scheduler_id=self.scheduler_id, executor_epoch=self.executor_epoch, step_id=step_id,
+            executed_step_ids=self.executed_step_ids, failed_request_ids=self.failed_request_ids,
+            planned_step_id=self.planned_step_id,
+            free_request_ids=self.pending_frees,
+            running=[self._grow_request(s) for s in running],
+            waiting=[self._admit_request(s) for s in waiting],
+            lookahead_slots=self.config.block_size if self.reserve_ahead else 0,
+        ))
+        self.call_seconds += CALL_SECONDS_WEIGHT * (time.perf_counter() - started - self.call_seconds)
+        self.planned_step_id, self.executed_step_ids, self.failed_request_ids = step_id, [], []
+        for s in running:  # the block manager now knows every token these requests have
+            s.request.num_tokens_sent_to_kv = s.request.num_tokens
+        self.answer_epochs = {address: blocks.executor_epoch or self.executor_epoch
+                              for address, blocks in answers.items()}
+        requests = self.requests
+        for blocks in answers.values():
+            for request_id, num_slots in blocks.num_slots.items():
+                if (request := requests.get(request_id)) is not None:
+                    request.num_slots = num_slots
+        return answers
+
+    @staticmethod
+    def _keep_unsent_blocks(running: list[_Scheduled], preempted: set[str],
+                            answers: dict[str, BlockStepResult]) -> None:
+        """Blocks reserved for a running request that has no row this step go with its next row."""
+        for s in running:
+            request = s.request
+            if s.num_new_tokens == 0 and request.request_id not in preempted:
+                block_ids = answers[request.executor_id].new_block_ids.get(request.request_id)
+                if block_ids:
+                    request.unsent_block_ids += block_ids
 
     def update(self, step: ExecuteStep, result: ExecuteResult) -> list[RequestOutput]:
         """Applies a step's result. A request that ended since the step was planned gets nothing (its token
@@ -375,8 +441,10 @@ class Scheduler:
         if sample:
             request.num_pending_samples += 1
         token_ids = request.token_ids(start, min(end, known)) if start < known else []
-        return ExecuteRequest(request.request_id, token_ids, start, blocks.new_block_ids.get(request.request_id, []),
-                              sample, feed_sampled=end > known,
+        new_block_ids = blocks.new_block_ids.get(request.request_id, [])
+        if request.unsent_block_ids:
+            new_block_ids, request.unsent_block_ids = request.unsent_block_ids + new_block_ids, []
+        return ExecuteRequest(request.request_id, token_ids, start, new_block_ids, sample, feed_sampled=end > known,
                               prompt_logprobs=request.sampling_params.prompt_logprobs is not None
                               and request.wants_prompt_logprobs)
 
@@ -412,6 +480,7 @@ class Scheduler:
         self.num_recomputed_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.num_tokens_sent_to_kv = 0
+        request.num_slots, request.unsent_block_ids = 0, []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(self.waiting, request, front=True)

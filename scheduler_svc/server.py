@@ -341,7 +341,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.SchedulerStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_steps=self.loop.num_steps, num_preemptions=self.scheduler.num_preemptions,
-            kv_rpcs=self.backends.kv_rpcs, executor_rpcs=self.backends.executor_rpcs,
+            kv_rpcs=self.backends.kv_rpcs, kv_calls_skipped=self.scheduler.num_calls_skipped,
+            executor_rpcs=self.backends.executor_rpcs,
             num_failed_steps=self.loop.num_failed_steps, num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
             steps_out_limit=self.loop.steps_out_limit(), loop_work_share=self.loop.work_share,
         )

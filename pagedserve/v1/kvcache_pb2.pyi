@@ -88,7 +88,7 @@ class RunningRequests(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_tokens_starts: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., executors: _Optional[_Iterable[str]] = ..., executor_indexes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStepRequest(_message.Message):
-    __slots__ = ("scheduler_id", "executor_epoch", "step_id", "executed_step_ids", "failed_request_ids", "planned_step_id", "free_request_ids", "running", "waiting")
+    __slots__ = ("scheduler_id", "executor_epoch", "step_id", "executed_step_ids", "failed_request_ids", "planned_step_id", "free_request_ids", "running", "waiting", "lookahead_slots")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class BlockStepRequest(_message.Message):
     FREE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     executor_epoch: str
     step_id: int
@@ -107,17 +108,20 @@ class BlockStepRequest(_message.Message):
     free_request_ids: _containers.RepeatedScalarFieldContainer[str]
     running: RunningRequests
     waiting: _containers.RepeatedCompositeFieldContainer[BlockRequest]
-    def __init__(self, scheduler_id: _Optional[str] = ..., executor_epoch: _Optional[str] = ..., step_id: _Optional[int] = ..., executed_step_ids: _Optional[_Iterable[int]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., planned_step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., running: _Optional[_Union[RunningRequests, _Mapping]] = ..., waiting: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ...) -> None: ...
+    lookahead_slots: int
+    def __init__(self, scheduler_id: _Optional[str] = ..., executor_epoch: _Optional[str] = ..., step_id: _Optional[int] = ..., executed_step_ids: _Optional[_Iterable[int]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ..., planned_step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., running: _Optional[_Union[RunningRequests, _Mapping]] = ..., waiting: _Optional[_Iterable[_Union[BlockRequest, _Mapping]]] = ..., lookahead_slots: _Optional[int] = ...) -> None: ...
 
 class BlockDelta(_message.Message):
-    __slots__ = ("block_ids", "num_cached_tokens", "tier_loads")
+    __slots__ = ("block_ids", "num_cached_tokens", "tier_loads", "num_slots")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIER_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     tier_loads: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockTransfer]
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., tier_loads: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ...) -> None: ...
+    num_slots: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., tier_loads: _Optional[_Iterable[_Union[_common_pb2.BlockTransfer, _Mapping]]] = ..., num_slots: _Optional[int] = ...) -> None: ...
 
 class BlockStepResult(_message.Message):
     __slots__ = ("deltas", "preempted_request_ids", "saves_before", "saves_after", "swap_out", "swap_free", "executor_epoch")

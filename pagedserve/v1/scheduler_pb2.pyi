@@ -83,12 +83,13 @@ class SchedulerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_steps", "num_preemptions", "kv_rpcs", "executor_rpcs", "num_failed_steps", "num_recomputed_tokens", "steps_out_limit", "loop_work_share")
+    __slots__ = ("num_running", "num_waiting", "num_steps", "num_preemptions", "kv_rpcs", "kv_calls_skipped", "executor_rpcs", "num_failed_steps", "num_recomputed_tokens", "steps_out_limit", "loop_work_share")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     KV_RPCS_FIELD_NUMBER: _ClassVar[int]
+    KV_CALLS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_RPCS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -99,12 +100,13 @@ class SchedulerStats(_message.Message):
     num_steps: int
     num_preemptions: int
     kv_rpcs: int
+    kv_calls_skipped: int
     executor_rpcs: int
     num_failed_steps: int
     num_recomputed_tokens: int
     steps_out_limit: int
     loop_work_share: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_rpcs: _Optional[int] = ..., executor_rpcs: _Optional[int] = ..., num_failed_steps: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., steps_out_limit: _Optional[int] = ..., loop_work_share: _Optional[float] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_rpcs: _Optional[int] = ..., kv_calls_skipped: _Optional[int] = ..., executor_rpcs: _Optional[int] = ..., num_failed_steps: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., steps_out_limit: _Optional[int] = ..., loop_work_share: _Optional[float] = ...) -> None: ...
 
 class SchedulerInfoRequest(_message.Message):
     __slots__ = ()

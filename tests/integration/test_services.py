@@ -235,10 +235,10 @@ def test_offline_stop_strings_give_the_generate_apis_output(stack, client, llm):
 
 def settled_stats(stack) -> scheduler_pb2.SchedulerStats:
     """The scheduler's stats once nothing runs and every step it planned has come back and been applied
-    (with steps planned ahead, up to two may be out at any moment)."""
+    (with steps planned ahead, up to three may be out at any moment)."""
     def settled():
         stats = scheduler_stats(stack)
-        return stats.num_running == 0 and stats.kv_rpcs == stats.executor_rpcs == stats.num_steps
+        return stats.num_running == 0 and stats.kv_rpcs + stats.kv_calls_skipped == stats.executor_rpcs == stats.num_steps
     assert wait_for(settled)
     return scheduler_stats(stack)
 
@@ -257,7 +257,8 @@ def test_two_rpcs_per_step_whatever_the_batch_size(stack, client):
     after = settled_stats(stack)
     steps = after.num_steps - before.num_steps
     assert steps > 0
-    assert after.kv_rpcs - before.kv_rpcs == steps
+    # One call to the block manager per step, but for steps planned on slots reserved ahead (three out).
+    assert (after.kv_rpcs - before.kv_rpcs) + (after.kv_calls_skipped - before.kv_calls_skipped) == steps
     assert after.executor_rpcs - before.executor_rpcs == steps
 
 

@@ -346,3 +346,18 @@ def test_a_structured_request_is_not_planned_on_while_its_sample_may_be_deferred
     assert not any(r.feed_sampled for step in engine.executor.steps for r in step.requests if r.request_id == "s")
     if steps_ahead > 1:
         assert any(r.feed_sampled for step in engine.executor.steps for r in step.requests if r.request_id == "r")
+
+
+def test_three_steps_out_plan_most_decode_steps_without_calling_the_block_manager():
+    """Three out, the block manager reserves a block's worth of slots ahead per running request, and steps
+    that need no more slots, admit nobody and free nothing are planned without it: the same outputs, every
+    block back."""
+    def load(engine: Engine) -> None:
+        for i, prompt in enumerate(random_prompts(6, seed=3)):
+            engine.add(f"r{i}", prompt, max_tokens=40, ignore_eos=True)
+
+    engines = run_all(load)
+    assert engines[1].scheduler.num_calls_skipped == engines[2].scheduler.num_calls_skipped == 0
+    three = engines[3]
+    assert three.scheduler.num_calls_skipped > three.loop.num_steps / 2, (three.scheduler.num_calls_skipped,
+                                                                        three.loop.num_steps)

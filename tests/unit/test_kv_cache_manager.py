@@ -187,3 +187,44 @@ def test_with_two_calls_out_each_filled_block_is_written_through_once():
                                           running=[BlockRequest("a", 14, new_token_ids=[12], new_tokens_start=12)]))
     saved = [t.block_id for result in (first, second, third) for t in result.saves_after]
     assert saved == manager.block_ids("a")[:3]
+
+
+def test_lookahead_reserves_a_block_ahead_for_each_running_request_and_says_how_many_slots_each_holds():
+    manager = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    admitted = manager.step(BlockStepRequest(waiting=[admit("a", 3), admit("b", 4)], lookahead_slots=4))
+    # Admission gives what the prompt needs, nothing ahead: reservations are for running requests.
+    assert admitted.new_block_ids == {"a": [0], "b": [1]} and admitted.num_slots == {"a": 4, "b": 4}
+    grown = manager.step(BlockStepRequest(running=[BlockRequest("a", 4), BlockRequest("b", 5)], lookahead_slots=4))
+    # Needs first (b's fifth slot: block 2), then a block ahead each: a holds 8 slots, b 12.
+    assert grown.new_block_ids == {"a": [3], "b": [2, 4]}
+    assert grown.num_slots == {"a": 8, "b": 12}
+    # Within what they hold, nothing changes and no answer names a slot count.
+    again = manager.step(BlockStepRequest(running=[BlockRequest("a", 4), BlockRequest("b", 8)], lookahead_slots=4))
+    assert again.new_block_ids == {"a": [], "b": []} and again.num_slots == {}
+    assert manager.slot_usage() == (12, 20) and manager.num_free_blocks == 11
+    # One slot on, a has fewer than 4 ahead: it gets another block.
+    again = manager.step(BlockStepRequest(running=[BlockRequest("a", 5), BlockRequest("b", 8)], lookahead_slots=4))
+    assert again.new_block_ids == {"a": [5], "b": []} and again.num_slots == {"a": 12}
+
+
+def test_lookahead_keeps_a_quarter_of_the_pool_free_and_never_costs_a_need():
+    manager = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    manager.step(BlockStepRequest(waiting=[admit(r, 4) for r in "abcd"]))
+    # 4 free, of which a quarter of the pool (2) stays free: a and b get a block ahead, c and d, last, none.
+    result = manager.step(BlockStepRequest(running=[BlockRequest(r, 4) for r in "abcd"], lookahead_slots=4))
+    assert result.new_block_ids == {"a": [4], "b": [5], "c": [], "d": []} and manager.num_free_blocks == 2
+    # A waiting request is admitted before anything is reserved: e takes the last 2 blocks, and nobody
+    # waits or is preempted for a reservation.
+    result = manager.step(BlockStepRequest(running=[BlockRequest(r, 4) for r in "abcd"], waiting=[admit("e", 8)],
+                                           lookahead_slots=4))
+    assert result.new_block_ids == {"a": [], "b": [], "c": [], "d": [], "e": [6, 7]}
+    assert not result.preempted_request_ids and manager.num_free_blocks == 0
+
+
+def test_no_lookahead_is_reserved_in_a_step_that_preempts():
+    manager = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    manager.step(BlockStepRequest(waiting=[admit("a", 4), admit("b", 4), admit("c", 4)]))
+    result = manager.step(BlockStepRequest(running=[BlockRequest("a", 5), BlockRequest("b", 5), BlockRequest("c", 4)],
+                                           lookahead_slots=8))
+    assert result.preempted_request_ids == ["c"]
+    assert result.num_slots == {"a": 8, "b": 8} and manager.num_free_blocks == 0

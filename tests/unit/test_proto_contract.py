@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pagedserve import convert
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import (
@@ -45,14 +47,14 @@ def test_block_step_round_trip():
         planned_step_id=7,
         free_request_ids=["gone"],
         running=[BlockRequest("b", 5, new_token_ids=[9], new_tokens_start=4), BlockRequest("c", 8)],
-        waiting=[BlockRequest("a", 17, prompt_token_ids=[1, 2, 3], cache_salt="tenant")],
+        waiting=[BlockRequest("a", 17, prompt_token_ids=[1, 2, 3], cache_salt="tenant")], lookahead_slots=16,
     )
     assert convert.block_step_request_from_proto(convert.block_step_request_to_proto(request)) == request
     result = BlockStepResult(
         {"a": [4, 5], "b": [9]}, {"a": 32, "b": 0}, ["c"],
         tier_loads={"a": [BlockTransfer(4, b"\x01" * 32), BlockTransfer(5, b"\x09" * 32, num_tokens=3)]},
         saves_before=[BlockTransfer(7, b"\x02" * 32)], saves_after=[BlockTransfer(5, b"\x03" * 32)],
-        swap_out=[BlockTransfer(6, b"\x07" * 32)], swap_free=[b"\x08" * 32],
+        swap_out=[BlockTransfer(6, b"\x07" * 32)], swap_free=[b"\x08" * 32], num_slots={"a": 48, "b": 32},
     )
     assert convert.block_step_result_from_proto(convert.block_step_result_to_proto(result)) == result
     # A running request served without new blocks needs no delta: it does not travel.
@@ -200,3 +202,10 @@ def test_default_sampling_fields_take_vllm_defaults():
 
     params = convert.sampling_from_proto(common_pb2.SamplingParams())
     assert params == SamplingParams()
+
+
+def test_a_negative_lookahead_is_refused_by_name():
+    message = convert.block_step_request_to_proto(BlockStepRequest(step_id=1))
+    message.lookahead_slots = -1
+    with pytest.raises(ValueError, match="lookahead_slots"):
+        convert.block_step_request_from_proto(message)
