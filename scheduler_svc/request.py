@@ -70,7 +70,7 @@ class Request:
         self.cache_salt = cache_salt
         self.num_tokens_sent_to_kv = 0  # the block manager knows this many of its tokens
         self.num_slots = 0  # running: the slots its block table holds, as the block manager last said
-        # Running: blocks reserved for it in a step it had no row in, which its next row carries.
+        # Running: blocks given to it in a step it had no row in, which its next row carries.
         self.unsent_block_ids: list[int] = []
         self.executor_id = ""  # running: the executor (address) it was admitted on
 

@@ -228,7 +228,7 @@ class Scheduler:
         preempted = set(preempted_ids)
         scheduled = [s for s in running if s.num_new_tokens > 0 and s.request.request_id not in preempted] \
             if preempted else [s for s in running if s.num_new_tokens > 0]
-        if self.reserve_ahead and len(scheduled) < len(running):
+        if len(scheduled) < len(running):
             self._keep_unsent_blocks(running, preempted, answers)
         requests = [self._running_row(s, answers[s.request.executor_id]) for s in scheduled]
         requests += [self._admitted_row(s, answers[s.request.executor_id]) for s in admitted]
@@ -289,7 +289,8 @@ class Scheduler:
     @staticmethod
     def _keep_unsent_blocks(running: list[_Scheduled], preempted: set[str],
                             answers: dict[str, BlockStepResult]) -> None:
-        """Blocks reserved for a running request that has no row this step go with its next row."""
+        """Blocks given to a running request that has no row this step (reserved ahead, or sent again after an
+        answer that was lost) go with its next row."""
         for s in running:
             request = s.request
             if s.num_new_tokens == 0 and request.request_id not in preempted:
