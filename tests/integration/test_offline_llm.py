@@ -282,6 +282,32 @@ def test_preemption_under_a_quarter_pool_leaves_greedy_outputs_unchanged(tiny_ll
     assert all(r.finish_reason == "length" for r in constrained)
 
 
+@pytest.mark.parametrize("pool", ["ample", "quarter"])
+def test_slots_reserved_ahead_leave_greedy_outputs_unchanged(tiny_llama_dir, pool):
+    """Three steps out, the engine plans steady decode steps on slots the block manager reserved ahead, without
+    calling it: the outputs of one step at a time, with a pool to spare and under preemption."""
+    prompts = random_token_prompts(24, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    block_size = 16
+    needed_blocks = sum(-(-(len(p) + 40) // block_size) for p in prompts)
+    bytes_per_block = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_memory=4 << 20) \
+        .runner.config.kv_bytes_per_token(torch.float32) * block_size
+    memory = (needed_blocks * 2 if pool == "ample" else needed_blocks // 4) * bytes_per_block
+    one_at_a_time = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_memory=memory,
+                        async_scheduling=False)
+    ahead = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_memory=memory)
+    ahead.engine.steps_ahead = 3
+    expected, got = one_at_a_time.generate(prompts, params), ahead.generate(prompts, params)
+    assert ahead.scheduler.num_calls_skipped > 0
+    if pool == "quarter":
+        assert ahead.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for a, b in zip(got, expected):
+        assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-4)
+    manager = ahead.block_manager
+    assert manager.num_requests == 0 and manager.num_free_blocks == manager.num_blocks
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_any_batch(tiny_llm):
     prompts = random_token_prompts(6, seed=1)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
