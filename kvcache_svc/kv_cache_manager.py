@@ -264,7 +264,8 @@ class KVCacheManager:
                 return
             spare -= num_ahead
             state.blocks.extend(self.block_pool.get_new_blocks(num_ahead))
-            result.new_block_ids[request.request_id] = [block.block_id for block in state.blocks[state.num_blocks_sent:]]
+            unsent = state.blocks[state.num_blocks_sent:]
+            result.new_block_ids[request.request_id] = [block.block_id for block in unsent]
 
     def _check_restored(self, planned_step_id: int) -> None:
         if self._restored_step_ids is None:

@@ -19,7 +19,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "stop_ids", "max_output_tokens",
         "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
         "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival", "num_pending_samples",
-        "prompt_logprobs", "prompt_logprobs_sent", "executor_id", "num_tokens", "structured", "num_slots", "unsent_block_ids",
+        "prompt_logprobs", "prompt_logprobs_sent", "executor_id", "num_tokens", "structured", "num_slots",
+        "unsent_block_ids",
     )
 
     def __init__(

@@ -238,7 +238,8 @@ def settled_stats(stack) -> scheduler_pb2.SchedulerStats:
     (with steps planned ahead, up to three may be out at any moment)."""
     def settled():
         stats = scheduler_stats(stack)
-        return stats.num_running == 0 and stats.kv_rpcs + stats.kv_calls_skipped == stats.executor_rpcs == stats.num_steps
+        planned = stats.kv_rpcs + stats.kv_calls_skipped
+        return stats.num_running == 0 and planned == stats.executor_rpcs == stats.num_steps
     assert wait_for(settled)
     return scheduler_stats(stack)
 
