@@ -68,13 +68,14 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
     with Stack(config) as stack:
         loop = clients_loop()
         stop = asyncio.Event()
-        received = [0]  # tokens streamed back so far
+        received = [0, 0]  # tokens and messages streamed back so far
 
         async def consume(stub, i: int, max_tokens: int) -> None:
             request = build_request(prompt_token_ids=[1 + i % 100] * prompt_len, max_tokens=max_tokens,
                                     ignore_eos=True, temperature=0.0)
             async for response in stub.Generate(request):
                 received[0] += len(response.token_ids)
+                received[1] += 1
 
         async def load() -> None:
             async with grpc.aio.insecure_channel(stack.address) as channel:
@@ -98,9 +99,9 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
             while stats().num_running < args.requests:
                 time.sleep(0.1)
             cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
-            start, tokens0, t0 = stats(), received[0], time.perf_counter()
+            start, (tokens0, messages0), t0 = stats(), list(received), time.perf_counter()
             time.sleep(args.window)
-            end, tokens1, t1 = stats(), received[0], time.perf_counter()
+            end, (tokens1, messages1), t1 = stats(), list(received), time.perf_counter()
             cpu1 = {name: cpu_seconds(pid) for name, pid in pids.items()} | {"clients": time.process_time()}
         loop.call_soon_threadsafe(stop.set)
         clients.result(timeout=60)
@@ -111,6 +112,8 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
         "busy_fraction": round(steps * args.sleep_ms / 1e3 / wall, 4),
         "steps": steps, "window_s": round(wall, 2), "tokens_per_s": round((tokens1 - tokens0) / wall, 1),
         "step_ms": round(wall / steps * 1e3, 3) if steps else None,
+        # Fewer than the running requests when the frontend or a client falls behind and joins steps' tokens.
+        "messages_per_step": round((messages1 - messages0) / steps, 1) if steps else None,
         "overhead_ms_per_step": round(wall / steps * 1e3 - args.sleep_ms, 3) if steps else None,
         # The engine loop's depth at the window's end, and the running share of its own work that chose it.
         "steps_out_limit": end.steps_out_limit, "loop_work_share": round(end.loop_work_share, 3),

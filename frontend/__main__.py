@@ -25,12 +25,14 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from frontend.server import GenerationServicer, SchedulerLink
+    from pagedserve.output.detokenizer import prepare as prepare_detokenizer
 
     security = Security.from_config(serving)
     scheduler_channel = channel(serving.scheduler, security)
     scheduler = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
     info = scheduler.GetInfo(scheduler_pb2.SchedulerInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout)
     tokenizer = AutoTokenizer.from_pretrained(configs[ModelConfig].tokenizer or info.model_dir)
+    prepare_detokenizer(tokenizer)
     link = SchedulerLink(scheduler)
     service = AioService("frontend", serving.host, serving.listen_port("frontend"), security=security, public=True,
                          max_message_bytes=serving.max_message_bytes, dependencies={"scheduler_svc": serving.scheduler})

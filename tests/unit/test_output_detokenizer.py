@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedserve.output.detokenizer import IncrementalDetokenizer
+from pagedserve.output import detokenizer
+from pagedserve.output.detokenizer import IncrementalDetokenizer, token_bytes
 
 TEXTS = [
     "Hello, world! This is plain ASCII.",
@@ -39,15 +40,38 @@ class WindowOnly:
         return len(self.inner)
 
 
-# Every test runs on both paths: the tokenizers library's DecodeStream ("stream") and the Python window.
-@pytest.fixture(scope="module", params=["stream", "window"])
-def tok(request):
+class StreamOnly(WindowOnly):
+    """The tokenizer with a decoder that decodes the same but is not byte-level alone: no byte table, so the
+    tokenizers library's DecodeStream does the work."""
+
+    def __init__(self, inner):
+        from tokenizers import Tokenizer, decoders
+
+        super().__init__(inner)
+        self.backend_tokenizer = Tokenizer.from_str(inner.backend_tokenizer.to_str())
+        self.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
+
+
+def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
     from executor_svc.model_loader import resolve_model_dir
 
-    fast = AutoTokenizer.from_pretrained(resolve_model_dir("default"))
-    return fast if request.param == "stream" else WindowOnly(fast)
+    return AutoTokenizer.from_pretrained(resolve_model_dir("default"))
+
+
+# Every test runs on the three paths: each token's bytes from a table ("bytes"), the tokenizers library's
+# DecodeStream ("stream") and the Python window.
+@pytest.fixture(scope="module", params=["bytes", "stream", "window"])
+def tok(request):
+    fast = smollm2_tokenizer()
+    return {"bytes": fast, "stream": StreamOnly(fast), "window": WindowOnly(fast)}[request.param]
+
+
+def test_each_path_is_the_one_meant(tok):
+    detok = IncrementalDetokenizer(tok, [])
+    path = "bytes" if detok._token_bytes else "stream" if detok._stream else "window"
+    assert path == {WindowOnly: "window", StreamOnly: "stream"}.get(type(tok), "bytes")
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +181,12 @@ class CountingTokenizer:
         return self.inner.decode(ids, **kwargs)
 
 
-def test_a_fast_tokenizer_decodes_in_the_tokenizers_library(tok, chat_prompt_ids):
+@pytest.mark.parametrize("path", ["bytes", "stream"])
+def test_a_fast_tokenizer_decodes_in_the_tokenizers_library(chat_prompt_ids, path):
     """No Python-level decode per step: only the prompt context is decoded once, to check it ends whole."""
-    fast = tok.inner if isinstance(tok, WindowOnly) else tok
-    counting = CountingTokenizer(fast)
-    counting.backend_tokenizer = fast.backend_tokenizer
+    tok = smollm2_tokenizer() if path == "bytes" else StreamOnly(smollm2_tokenizer())
+    counting = CountingTokenizer(tok)
+    counting.backend_tokenizer = tok.backend_tokenizer
     ids = tok.encode(" ".join(TEXTS), add_special_tokens=False)
     assert "".join(stream(counting, chat_prompt_ids, ids)) == tok.decode(ids)
     assert len(counting.sizes) == 1
@@ -173,6 +198,55 @@ def test_decode_window_stays_small(tok, chat_prompt_ids):
     counting = CountingTokenizer(tok)
     assert "".join(stream(counting, chat_prompt_ids, ids)) == tok.decode(ids)
     assert max(counting.sizes) <= 16
+
+
+# --------------------------------------------------------------------------- the byte table
+
+
+def with_added_tokens(tokens):
+    """SmolLM2's tokenizer with more added tokens (the table spells them as its decoder does)."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(smollm2_tokenizer().backend_tokenizer.to_str())
+    backend.add_tokens(tokens)
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_added_tokens_spelt_in_and_outside_the_byte_alphabet(skip_special_tokens):
+    from tokenizers import AddedToken
+
+    # "aĠb" is spelt in the byte alphabet (Ġ is a space); the others are not, and decode as written.
+    added = [AddedToken("aĠb", normalized=False), AddedToken("a b c", normalized=False),
+             AddedToken("<xĠ>", special=True), AddedToken("<x y>", special=True)]
+    tok = with_added_tokens(added)
+    assert token_bytes(tok.backend_tokenizer, skip_special_tokens) is not None
+    first = len(tok) - len(added)
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.choice([*range(first, len(tok)), rng.randrange(first)]) for _ in range(rng.randint(1, 30))]
+        deltas = stream(tok, [], ids, [rng.randint(1, 3) for _ in ids], skip_special_tokens)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_table_that_disagrees_with_the_decode_is_not_used(monkeypatch):
+    """A wrong table is caught by the check against the tokenizer's own decode; DecodeStream takes over."""
+    tok = with_added_tokens([])  # a tokenizer object of its own: the table cache has not seen it
+    right = detokenizer._byte_level_alphabet()
+    monkeypatch.setattr(detokenizer, "_byte_level_alphabet", lambda: right | {"Ġ": ord("_")})
+    assert token_bytes(tok.backend_tokenizer, True) is None
+    ids = tok.encode(" spaced words", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [])
+    assert detok._token_bytes is None and detok._stream is not None
+    assert "".join(detok.add_tokens([i]) for i in ids) + detok.finish() == " spaced words"
+
+
+def test_ids_outside_the_vocabulary_decode_to_nothing(tok):
+    # (A model's vocabulary may be padded beyond its tokenizer's.)
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    assert len(ids) == 2
+    assert "".join(stream(tok, [], [ids[0], len(tok) + 5, ids[1]])) == "Hello world"
 
 
 # --------------------------------------------------------------------------- SentencePiece style
