@@ -97,8 +97,7 @@ class SleepingRunner(ModelRunner):
 
     def execute(self, step: ExecuteStep) -> ExecuteResult:
         sampling, _, result = self._run_model(step)
-        result.sampled = {r.request_id: SampledToken(token_id=self.token_for(r)) for r in sampling}
-        self._remember_samples(sampling, result.sampled.values())
+        result.sampled = self._remember_samples(sampling, [SampledToken(self.token_for(r)) for r in sampling])
         return result
 
     def step_logits(self, step: ExecuteStep):
@@ -116,8 +115,9 @@ class SleepingRunner(ModelRunner):
         if not requests:
             return [], None, result
         sleep_exactly(self.sleep_s)
-        result.num_prefill_tokens = sum(len(r.token_ids) for r in requests if len(r.token_ids) > 1)
-        result.num_decode_tokens = sum(1 for r in requests if len(r.token_ids) == 1)
+        num_tokens = sum(len(r.token_ids) for r in requests)
+        result.num_decode_tokens = sum(len(r.token_ids) == 1 for r in requests)
+        result.num_prefill_tokens = num_tokens - result.num_decode_tokens
         self.num_prefill_tokens += result.num_prefill_tokens
         self.num_decode_tokens += result.num_decode_tokens
         return [r for r in requests if r.sample], None, result

@@ -202,14 +202,19 @@ class ModelRunner:
             grammars = [self.requests[sampling[row].request_id].grammar for row in grammar_rows]
             grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, grammars), grammar_rows)
         tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask).to_sampled_tokens(batch)
-        result.sampled = {req.request_id: token for req, token in zip(sampling, tokens)}
-        self._remember_samples(sampling, tokens)
+        result.sampled = self._remember_samples(sampling, tokens)
         return result
 
-    def _remember_samples(self, sampling: list[ExecuteRequest], tokens: Iterable[SampledToken]) -> None:
+    def _remember_samples(self, sampling: list[ExecuteRequest],
+                          tokens: Iterable[SampledToken]) -> dict[str, SampledToken]:
+        """Keeps each request's token for the row that feeds it in; returns them by request id (the result's
+        sampled)."""
+        states, sampled = self.requests, {}
         for req, token in zip(sampling, tokens):
-            state = self.requests[req.request_id]
+            state = states[req.request_id]
             state.sampled_token, state.sampled_position = token.token_id, req.start_position + len(req.token_ids)
+            sampled[req.request_id] = token
+        return sampled
 
     def _wait_for_grammars(self, step: ExecuteStep, sampling: list[ExecuteRequest], logits, result: ExecuteResult):
         """The requests to sample, and their logits, less those whose grammar has not compiled yet: deferred
@@ -272,21 +277,32 @@ class ModelRunner:
         for request_id in step.finished_request_ids:
             self._drop(request_id)
         rejected: dict[str, str] = {}
-        accepted, following = [], []
+        accepted, following, loading = [], [], False
+        states, block_size, max_model_len = self.requests, self.block_size, self.max_model_len
         for req in step.requests:
-            state = self.requests.get(req.request_id)
-            if req.feed_sampled:
-                req, error = self._feed_sampled(req, state)
+            state = states.get(req.request_id)
+            position = req.start_position
+            if (req.feed_sampled and not req.token_ids and state is not None and state.sampled_position == position
+                    and req.sampling_params is None and not req.load_blocks and not req.new_block_ids
+                    and position < max_model_len and len(state.block_ids) * block_size > position):
+                # Every running request comes here every step: a decode of this executor's own sample, on the
+                # blocks it holds. (_feed_sampled and _check_extent, for this case alone.)
+                req.token_ids = [state.sampled_token]
+                req.feed_sampled = False
             else:
-                error = self._check(req, state)
-            if error is None and req.sampling_params is not None:
-                error = self._new_state(req)
-                state = self.requests.get(req.request_id)
-            elif error is None and req.new_block_ids:
-                state.block_ids.extend(req.new_block_ids)
-            if error is not None:
-                rejected[req.request_id] = error
-                continue
+                if req.feed_sampled:
+                    req, error = self._feed_sampled(req, state)
+                else:
+                    error = self._check(req, state)
+                if error is None and req.sampling_params is not None:
+                    error = self._new_state(req)
+                    state = states.get(req.request_id)
+                elif error is None and req.new_block_ids:
+                    state.block_ids.extend(req.new_block_ids)
+                if error is not None:
+                    rejected[req.request_id] = error
+                    continue
+                loading = loading or bool(req.load_blocks)
             accepted.append(req)
             if state.follows_tokens:
                 following.append(req)
@@ -295,7 +311,7 @@ class ModelRunner:
         # which the swap space lets go of the copies the block manager no longer needs.
         self._save_blocks(step.save_blocks)
         self._swap_out(step.swap_out)
-        requests, num_loaded, num_failed = self._load_blocks(accepted)
+        requests, num_loaded, num_failed = self._load_blocks(accepted) if loading else (accepted, 0, 0)
         if self.swap_space is not None:
             self.swap_space.free(step.swap_free)
         sampling, logits, result = self._forward(requests, num_loaded, num_failed)

@@ -79,3 +79,29 @@ def test_its_sleep_runs_on_the_least_timer_slack_of_the_thread_that_sleeps():
     thread.join()
     assert slack == {"before": 40_000, "after": 1}
     assert Path("/proc/self/timerslack_ns").read_text() == main_thread_slack
+
+
+def test_decodes_of_its_own_samples_are_checked_as_any_row(runner):
+    """The steady decode row (the runner feeds its own last sample in) takes a short path; what it may not do
+    is refused all the same: a position it did not sample, a position its blocks cannot hold, a block id
+    outside the pool."""
+    block_size = runner.block_size
+    runner.execute(ExecuteStep([prefill("a", [1] * block_size, [0])], executor_epoch=runner.epoch))
+
+    def decode(position: int, new_blocks: list[int]):
+        row = ExecuteRequest("a", [], position, new_blocks, True, feed_sampled=True)
+        return runner.execute(ExecuteStep([row], executor_epoch=runner.epoch))
+
+    assert "no token was sampled" in decode(block_size + 1, [1]).rejected["a"]
+    assert "cannot hold" in decode(block_size, []).rejected["a"]
+    assert "block ids" in decode(block_size, [runner.num_blocks]).rejected["a"]
+    assert "a" in decode(block_size, [1]).sampled  # the second block holds it
+    assert "a" in decode(block_size + 1, []).sampled  # and the next, on the same blocks
+
+
+def test_a_decode_past_the_longest_context_is_refused(runner):
+    end = runner.max_model_len
+    runner.execute(ExecuteStep([prefill("long", [1] * end, list(range(-(-end // runner.block_size))))],
+                               executor_epoch=runner.epoch))
+    row = ExecuteRequest("long", [], end, [], True, feed_sampled=True)
+    assert "outside" in runner.execute(ExecuteStep([row], executor_epoch=runner.epoch)).rejected["long"]
