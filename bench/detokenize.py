@@ -18,31 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import write_result  # noqa: E402
 from executor_svc.model_loader import resolve_model_dir  # noqa: E402
 from pagedserve.output.detokenizer import IncrementalDetokenizer  # noqa: E402
+from tests.support.detokenizer_paths import StreamOnly, WindowOnly  # noqa: E402
 
 TEXT = ("Streaming text back one token at a time: ASCII prose, code like `x = f(y) + 1`, numbers 3.14159, "
         "accents (café, naïve, Ångström), CJK (日本語のテキスト, 中文字符), emoji 😀👍🏽🇫🇷, and newlines\n\n")
-
-
-class WithDecodeStream:
-    """The tokenizer behind a decoder that decodes the same but is not byte-level alone: DecodeStream's path."""
-
-    def __init__(self, tokenizer) -> None:
-        from tokenizers import Tokenizer, decoders
-
-        self.inner = tokenizer
-        self.backend_tokenizer = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-        self.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
-
-    def decode(self, ids, **kwargs):
-        return self.inner.decode(ids, **kwargs)
-
-
-class WithoutBackend(WithDecodeStream):
-    """The tokenizer with no Rust backend in sight: the Python window's path."""
-
-    def __init__(self, tokenizer) -> None:
-        self.inner = tokenizer
-        self.backend_tokenizer = None
 
 
 def per_token_us(tokenizer, prompt_ids: list[int], ids: list[int], repeats: int) -> float:
@@ -72,8 +51,7 @@ def main() -> None:
     rng = random.Random(0)  # and ids a model might sample that make no sense together
     random_ids = [rng.randrange(len(tokenizer)) for _ in range(len(text_ids))]
     prompt_ids = tokenizer.encode("A prompt before the output", add_special_tokens=False)
-    paths = {"byte_table": tokenizer, "decode_stream": WithDecodeStream(tokenizer),
-             "python_window": WithoutBackend(tokenizer)}
+    paths = {"byte_table": tokenizer, "decode_stream": StreamOnly(tokenizer), "python_window": WindowOnly(tokenizer)}
     for name, variant in paths.items():  # each path's text is the full decode's, or its time means nothing
         detokenizer = IncrementalDetokenizer(variant, prompt_ids)
         text = "".join(detokenizer.add_tokens([token_id]) for token_id in text_ids) + detokenizer.finish()

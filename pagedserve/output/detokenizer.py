@@ -58,12 +58,12 @@ class IncrementalDetokenizer:
             self._ids = []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = _fast_backend(tokenizer)
         self._stream: DecodeStream | None = None
         # The byte-level path: the table, and the bytes of an incomplete character held back.
         self._token_bytes: TokenBytes | None = None
         self._held = b""
-        if isinstance(self._backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        if self._backend is not None:
             # Byte-level text does not depend on what came before it: the prompt's context plays no part.
             self._token_bytes = token_bytes(self._backend, skip_special_tokens)
             if self._token_bytes is None:
@@ -141,10 +141,19 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
-def prepare(tokenizer: Any) -> None:
-    """Makes the tokenizer's byte-level tables now (a tenth of a second each) rather than in its first call."""
+def _fast_backend(tokenizer: Any) -> Tokenizer | None:
+    """The tokenizers library's tokenizer behind `tokenizer`, where its decode is that library's alone (not
+    followed by a clean-up of spaces around punctuation, which neither DecodeStream nor the table does)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend
+    return None
+
+
+def prepare(tokenizer: Any) -> None:
+    """Makes the tokenizer's byte-level tables now (a tenth of a second each) rather than in its first call."""
+    backend = _fast_backend(tokenizer)
+    if backend is not None:
         for skip_special_tokens in (True, False):
             token_bytes(backend, skip_special_tokens)
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pagedserve.output import detokenizer
 from pagedserve.output.detokenizer import IncrementalDetokenizer, token_bytes
+from tests.support.detokenizer_paths import StreamOnly, WindowOnly
 
 TEXTS = [
     "Hello, world! This is plain ASCII.",
@@ -23,33 +24,6 @@ TEXTS = [
     "😀",
     "世",
 ]
-
-
-class WindowOnly:
-    """The tokenizer without its Rust backend in sight: the detokenizer's Python window does all the work."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        if name == "backend_tokenizer":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __len__(self):
-        return len(self.inner)
-
-
-class StreamOnly(WindowOnly):
-    """The tokenizer with a decoder that decodes the same but is not byte-level alone: no byte table, so the
-    tokenizers library's DecodeStream does the work."""
-
-    def __init__(self, inner):
-        from tokenizers import Tokenizer, decoders
-
-        super().__init__(inner)
-        self.backend_tokenizer = Tokenizer.from_str(inner.backend_tokenizer.to_str())
-        self.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
 
 
 def smollm2_tokenizer():
