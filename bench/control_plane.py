@@ -5,13 +5,17 @@ ahead (the default) and without (--no-async-scheduling), and with steps planned 
 asked for (--stream-interval N: the scheduler sends a request's tokens N at a time), side by side; each run
 also records the CPU each process spent per step. With --control-plane-cpus, the runs with steps planned ahead
 are repeated with the scheduler and the KV-cache service on those CPUs and the rest of the stack, the load
-generator too, on the others (`pagedserve up --control-plane-cpus`). Writes bench/results/control_plane.json.
+generator too, on the others (`pagedserve up --control-plane-cpus`). With --frontend-nice, the run with
+steps planned ahead is repeated last with the frontend at that nice (`pagedserve up --frontend-nice`) and the
+clients' thread at --clients-nice, as clients on other machines would take none of these cores (last, since
+a thread cannot take back the priority it gave up). Writes bench/results/control_plane.json.
 
     python bench/control_plane.py [--sleep-ms 5] [--requests 256] [--window 20] [--only-async]
-                                  [--stream-intervals 4,16] [--control-plane-cpus 0] [--name control_plane]
+                                  [--stream-intervals 4,16] [--control-plane-cpus 0]
+                                  [--frontend-nice 10 [--clients-nice 19]] [--name control_plane]
 
-The clients are asyncio streams in this process, so that the load generator takes as little of the
-machine's cores as it can (its CPU is recorded too).
+The clients are asyncio streams on one thread of this process, so that the load generator takes as little of
+the machine's cores as it can (its CPU is recorded too).
 """
 from __future__ import annotations
 
@@ -42,12 +46,14 @@ def clients_loop() -> asyncio.AbstractEventLoop:
     """The one event loop of every run's clients: gRPC's asyncio layer stays bound to the loop it started on
     while any of its objects lives, so that a run's clients on a new loop could wait forever."""
     loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, name="clients", daemon=True).start()
+    thread = threading.Thread(target=loop.run_forever, name="clients", daemon=True)
+    thread.start()
+    loop.clients_thread_id = thread.native_id
     return loop
 
 
 def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int = 1,
-        control_plane_cpus: str | None = None) -> dict:
+        control_plane_cpus: str | None = None, frontend_nice: int | None = None) -> dict:
     """args.requests streams on a stack of `executors` sleeping executors, measured over args.window seconds
     once all of them run."""
     import grpc
@@ -62,6 +68,7 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
                                           benchmark_sleep_ms=args.sleep_ms, max_num_seqs=args.requests,
                                           async_scheduling=async_scheduling, executors=executors,
                                           stream_interval=stream_interval, control_plane_cpus=control_plane_cpus,
+                                          frontend_nice=frontend_nice,
                                           kv_cache_memory=96 << 30)  # no KV tensors: room for every request
     prompt_len = 8
     own_cpus = format_cpu_list(os.sched_getaffinity(0))
@@ -136,6 +143,10 @@ def main() -> None:
     parser.add_argument("--control-plane-cpus", default=None,
                         help="also run the planned-ahead runs with the scheduler and the KV-cache service on these "
                              "CPUs, the rest of the stack and the clients on the others")
+    parser.add_argument("--frontend-nice", type=int, default=None,
+                        help="also run the planned-ahead load (last) with the frontend at this nice")
+    parser.add_argument("--clients-nice", type=int, default=19,
+                        help="the clients' thread's nice in that run (it keeps it: the run comes last)")
     parser.add_argument("--name", default="control_plane", help="result file name under bench/results/")
     args = parser.parse_args()
 
@@ -166,6 +177,11 @@ def main() -> None:
         metrics[f"stream_interval_{interval}"] = batched
         ratios[f"busy_fraction_stream_interval_{interval}"] = batched["busy_fraction"]
         pin(interval)
+    if args.frontend_nice is not None:
+        os.setpriority(os.PRIO_PROCESS, clients_loop().clients_thread_id, args.clients_nice)
+        prioritized = run(args, async_scheduling=True, frontend_nice=args.frontend_nice)
+        metrics["frontend_nice"] = prioritized | {"frontend_nice": args.frontend_nice, "clients_nice": args.clients_nice}
+        ratios["busy_fraction_frontend_nice"] = prioritized["busy_fraction"]
     path = write_result(args.name, ratios, metrics)
     print(path.read_text())
 

@@ -11,12 +11,12 @@ import signal
 import socket
 
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServingConfig, parse
-from pagedserve.service import Security, Service, channel, configure_logging, pin_to_cpus
+from pagedserve.service import Security, Service, channel, configure_logging, pin_to_cpus, set_nice
 from pagedserve.v1 import executor_pb2_grpc, kvcache_pb2_grpc
 
 # What this service takes: the launcher passes these, and only these, as flags.
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "cpus", "tls_cert", "tls_key", "tls_ca", "internal_token_file",
+    ServingConfig: ("host", "port", "log_level", "cpus", "nice", "tls_cert", "tls_key", "tls_ca", "internal_token_file",
                     "kvcache", "advertise_address"),
     ModelConfig: ("model", "device", "dtype", "max_model_len", "seed", "attention_backend", "cpu_threads",
                   "enforce_eager", "cuda_graph_batch_sizes", "benchmark_sleep_ms"),
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
     pin_to_cpus(serving.cpus)
+    set_nice(serving.nice)
     # Imported here, not above: the launcher reads SECTIONS without loading torch.
     from executor_svc.build import build_model_runner
     from executor_svc.server import ExecutorServicer, KVCacheRegistration, executor_info

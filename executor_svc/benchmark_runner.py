@@ -73,6 +73,7 @@ class SleepingRunner(ModelRunner):
         self.eos_token_ids = tuple(
             sorted(set(self.config.eos_token_ids) | set(generation_eos_token_ids(self.model_dir)))
         )
+        self.eos_token_set = frozenset(self.eos_token_ids)
         self.model_id = f"{model_fingerprint(self.model_dir)}|{model_config.dtype}|benchmark"
         self.attention_backend_name = "none"
         budget = kv_cache_budget(cache_config, self.device, self.config.kv_bytes_per_token(self.dtype),
@@ -97,27 +98,33 @@ class SleepingRunner(ModelRunner):
 
     def execute(self, step: ExecuteStep) -> ExecuteResult:
         sampling, _, result = self._run_model(step)
-        result.sampled = self._remember_samples(sampling, [SampledToken(self.token_for(r)) for r in sampling])
+        result.sampled = self._remember_samples(sampling, map(SampledToken, self.tokens_for(sampling)))
         return result
 
     def step_logits(self, step: ExecuteStep):
         raise NotImplementedError("the benchmarking executor computes no logits")
 
-    def token_for(self, req: ExecuteRequest) -> int:
-        """The token sampled after the request's last position: fixed by the request id and that position."""
-        token = (_id_hash(req.request_id) + req.start_position + len(req.token_ids)) % self.config.vocab_size
-        while token in self.eos_token_ids:
-            token = (token + 1) % self.config.vocab_size
-        return token
+    def tokens_for(self, requests: list[ExecuteRequest]) -> list[int]:
+        """The token sampled after each request's last position: fixed by the request id and that position.
+        (Every running request asks every step, as a real executor's sampler answers for the whole batch.)"""
+        vocab, eos = self.config.vocab_size, self.eos_token_set
+        tokens = [(_id_hash(r.request_id) + r.start_position + len(r.token_ids)) % vocab for r in requests]
+        if eos.isdisjoint(tokens):
+            return tokens
+        for i, token in enumerate(tokens):
+            while token in eos:
+                token = (token + 1) % vocab
+            tokens[i] = token
+        return tokens
 
     def _forward(self, requests: list[ExecuteRequest], num_loaded: int, num_failed: int):
         result = ExecuteResult(num_loaded_blocks=num_loaded, num_failed_loads=num_failed)
         if not requests:
             return [], None, result
         sleep_exactly(self.sleep_s)
-        num_tokens = sum(len(r.token_ids) for r in requests)
-        result.num_decode_tokens = sum(len(r.token_ids) == 1 for r in requests)
-        result.num_prefill_tokens = num_tokens - result.num_decode_tokens
+        lengths = [len(r.token_ids) for r in requests]
+        result.num_decode_tokens = lengths.count(1)
+        result.num_prefill_tokens = sum(lengths) - result.num_decode_tokens
         self.num_prefill_tokens += result.num_prefill_tokens
         self.num_decode_tokens += result.num_decode_tokens
         return [r for r in requests if r.sample], None, result

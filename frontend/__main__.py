@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, model_name, parse
-from pagedserve.service import AioService, Security, channel, configure_logging, pin_to_cpus
+from pagedserve.service import AioService, Security, channel, configure_logging, pin_to_cpus, set_nice
 from pagedserve.v1 import generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "cpus", "scheduler", "startup_timeout", "max_streams",
+    ServingConfig: ("host", "port", "log_level", "cpus", "nice", "scheduler", "startup_timeout", "max_streams",
                     "max_message_bytes", "http_address", "served_model_name", "drain_timeout_s", "max_prompt_chars",
                     "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file", "internal_token_file"),
     ModelConfig: ("tokenizer",),
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
     pin_to_cpus(serving.cpus)
+    set_nice(serving.nice)
     from transformers import AutoTokenizer
 
     from frontend.server import GenerationServicer, SchedulerLink

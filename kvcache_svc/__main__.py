@@ -13,13 +13,13 @@ from kvcache_svc.durable_state import DurableState, RegistrationStore
 from kvcache_svc.executor_pools import ExecutorPools
 from kvcache_svc.server import KVCacheServicer, registration_from_proto
 from pagedserve.config import CacheConfig, ServingConfig, parse
-from pagedserve.service import Security, Service, channel, configure_logging, pin_to_cpus
+from pagedserve.service import Security, Service, channel, configure_logging, pin_to_cpus, set_nice
 from pagedserve.v1 import executor_pb2, executor_pb2_grpc, kvcache_pb2, kvcache_pb2_grpc
 
 logger = logging.getLogger("kvcache_svc")
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "cpus", "executor", "startup_timeout", "tls_cert", "tls_key",
+    ServingConfig: ("host", "port", "log_level", "cpus", "nice", "executor", "startup_timeout", "tls_cert", "tls_key",
                     "tls_ca", "internal_token_file", "heartbeat_ttl"),
     CacheConfig: ("enable_prefix_caching", "offload_all", "redis_url", "redis_namespace", "preemption_mode",
                   "routing"),
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
     pin_to_cpus(serving.cpus)
+    set_nice(serving.nice)
     security = Security.from_config(serving)
     cache = configs[CacheConfig]
     redis_client = None

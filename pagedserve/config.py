@@ -389,6 +389,15 @@ class ServingConfig(_Config):
               "rest. The two call each other in turn every step, and a gRPC call hands work between threads several "
               "times: on one core no hand-off has to wake another, which on a virtual machine costs tens of "
               "microseconds each. For machines with a core to spare: the executor loses these CPUs' compute")
+    nice: int | None = option(
+        None, "this process's CPU priority, as Linux's nice: where processes contend for cores, a higher "
+              "value yields them to the others; below the nice it started at needs CAP_SYS_NICE (default: that one)",
+        min=-20, max=19)
+    frontend_nice: int | None = option(
+        None, "`pagedserve up`: the frontends' nice (default: `nice`). On a host with few cores, the "
+           "frontends' streaming (a message per stream per step) contends with each step's critical path (scheduler, "
+           "block manager, executor); a higher value lets the steps go first, and each message then carries more "
+           "tokens", min=-20, max=19)
 
     def __post_init__(self) -> None:
         super().__post_init__()

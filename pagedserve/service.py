@@ -560,5 +560,20 @@ def pin_to_cpus(cpus: str | None) -> None:
     logging.getLogger(__name__).info("running on CPUs %s", cpus)
 
 
+def set_nice(nice: int | None) -> None:
+    """Every thread of this process, and each it starts later, at this nice (ServingConfig.nice). Linux keeps a
+    nice per thread: the ones started so far are set one by one; new ones inherit their starter's."""
+    if nice is None or nice == os.getpriority(os.PRIO_PROCESS, 0):
+        return
+    try:
+        for thread_id in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, int(thread_id), nice)
+    except PermissionError:
+        raise SystemExit(f"nice {nice}: below the nice this process started at "
+                         f"({os.getpriority(os.PRIO_PROCESS, 0)}) needs CAP_SYS_NICE")
+    logging.getLogger(__name__).info("running at nice %d", nice)
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

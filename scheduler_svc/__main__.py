@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from pagedserve.config import SchedulerConfig, ServingConfig, parse
-from pagedserve.service import Security, Service, channel, configure_logging, pin_to_cpus
+from pagedserve.service import Security, Service, channel, configure_logging, pin_to_cpus, set_nice
 from pagedserve.v1 import (
     executor_pb2,
     executor_pb2_grpc,
@@ -21,7 +21,7 @@ from scheduler_svc.build import build_scheduler
 from scheduler_svc.server import RemoteBackends, SchedulerServicer
 
 SECTIONS = {
-    ServingConfig: ("host", "port", "log_level", "cpus", "kvcache", "executor", "startup_timeout", "tls_cert",
+    ServingConfig: ("host", "port", "log_level", "cpus", "nice", "kvcache", "executor", "startup_timeout", "tls_cert",
                     "tls_key", "tls_ca", "internal_token_file", "drain_timeout_s"),
     SchedulerConfig: None,
 }
@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     serving = configs[ServingConfig]
     configure_logging(serving.log_level)
     pin_to_cpus(serving.cpus)
+    set_nice(serving.nice)
     security = Security.from_config(serving)
     kvcache_channel = channel(serving.kvcache, security)
     kvcache = kvcache_pb2_grpc.KVCacheStub(kvcache_channel)

@@ -277,8 +277,13 @@ class Stack(LocalProcesses):
             kvcache=None if module == "executor_svc" and not several else self.kvcache_address,
             advertise_address=self.addresses[name] if several and module == "executor_svc" else None,
             cpus=self.cpus[name],
+            nice=self._nice(module),
         )
         return to_argv(dataclasses.replace(self.config, serving_config=serving), SERVICES[module].SECTIONS)
+
+    def _nice(self, module: str) -> int | None:
+        serving = self.config.serving_config
+        return serving.frontend_nice if module == "frontend" and serving.frontend_nice is not None else serving.nice
 
     def channel(self, name: str):
         """A channel to one of the processes, with this stack's credentials (internal RPCs need its token)."""

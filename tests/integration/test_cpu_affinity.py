@@ -1,5 +1,6 @@
 """--control-plane-cpus: the scheduler and the KV-cache service on those CPUs, every thread of theirs, and the
-other processes on the rest; the stack serves as it does unpinned."""
+other processes on the rest; --frontend-nice: the frontend's threads at that nice, the others' as they started.
+The stack serves as it does without them."""
 from __future__ import annotations
 
 import os
@@ -22,10 +23,17 @@ def threads_cpus(pid: int) -> set[frozenset[int]]:
     return sets
 
 
+def threads_nice(pid: int) -> set[int]:
+    return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
 def test_the_control_plane_gets_its_cpus_and_the_others_the_rest(model):
     cpus = sorted(os.sched_getaffinity(0))
+    started_at = os.getpriority(os.PRIO_PROCESS, 0)
+    frontend_nice = min(started_at + 5, 19)
     config = PagedServeConfig.from_kwargs(model=model, device="cpu", port=0, http_address="", log_level="WARNING",
-                                          kv_cache_memory=8 << 20, control_plane_cpus=str(cpus[-1]))
+                                          kv_cache_memory=8 << 20, control_plane_cpus=str(cpus[-1]),
+                                          frontend_nice=frontend_nice)
     if len(cpus) == 1:
         with pytest.raises(ValueError, match="takes every CPU the stack may use"):
             Stack(config)
@@ -40,3 +48,4 @@ def test_the_control_plane_gets_its_cpus_and_the_others_the_rest(model):
             expected = control if name in ("scheduler_svc", "kvcache_svc") else rest
             # Threads started before the pin (gRPC's, torch's) as well as after it.
             assert threads_cpus(process.pid) == {expected}, name
+            assert threads_nice(process.pid) == {frontend_nice if name == "frontend" else started_at}, name

@@ -39,7 +39,8 @@ CHANGED = PagedServeConfig(
                   max_message_bytes=1 << 20, max_prompt_chars=999,
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
                   internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2,
-                  advertise_address="x:4", heartbeat_ttl=1.5, cpus="0-3", control_plane_cpus="1"),
+                  advertise_address="x:4", heartbeat_ttl=1.5, cpus="0-3", control_plane_cpus="1", nice=3,
+                  frontend_nice=7),
 )
 
 
@@ -131,6 +132,7 @@ def test_the_launchers_argv_parses_with_each_services_parser():
             executor=stack.executor_address, scheduler=stack.scheduler_address,
             kvcache=None if name == "executor_svc" else stack.kvcache_address, advertise_address=None,
             cpus="1" if name in ("kvcache_svc", "scheduler_svc") else "0,2,3",
+            nice=7 if name == "frontend" else 3,
         )
         expected = _expected(dataclasses.replace(changed, serving_config=serving), service.SECTIONS)
         assert service.parse_args(stack.service_argv(name)) == expected, name
@@ -166,6 +168,35 @@ def test_a_service_told_cpus_it_cannot_have_refuses_to_start():
         run = subprocess.run([sys.executable, "-c", f"from pagedserve.service import pin_to_cpus; pin_to_cpus('{cpus}')"],
                              capture_output=True, text=True, cwd=ROOT)
         assert run.returncode == 1 and error in run.stderr, (cpus, run.stderr)
+
+
+def test_a_service_told_a_nice_sets_every_thread_and_its_later_ones_to_it():
+    import subprocess
+    import sys
+
+    script = """
+import os, threading
+from pagedserve.service import set_nice
+
+def nice_of_threads():
+    return {int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[16]) for t in os.listdir("/proc/self/task")}
+
+hold = threading.Event()
+before = threading.Thread(target=hold.wait)
+before.start()
+set_nice(None)
+unchanged = nice_of_threads()
+set_nice(os.getpriority(os.PRIO_PROCESS, 0) + 5)
+after = threading.Thread(target=hold.wait)
+after.start()
+print(sorted(unchanged), sorted(nice_of_threads()), threading.active_count())
+hold.set()
+"""
+    start = os.getpriority(os.PRIO_PROCESS, 0)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("] ")[0] == f"[{start}"
+    assert run.stdout.strip().endswith(f"[{start + 5}] 3")  # the main thread, the one before, the one after
 
 
 def test_frontend_k_listens_on_the_public_and_http_ports_plus_k():
