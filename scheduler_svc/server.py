@@ -184,23 +184,26 @@ class _StepStream:
     def wait_for(self, pending: _PendingStep):
         """The pending step's answer: the answers of the steps sent before it are taken first, in order."""
         while pending.answer is None:
-            oldest = self.unanswered.popleft()
+            # The step waited for stays listed until its answer comes, so that the watchdog sees it overdue
+            # (the last step out too).
+            oldest = self.unanswered[0]
             try:
                 answer = next(self.answers)
             except grpc.RpcError as error:
-                self._break(oldest, f"{error.code().name}: {error.details()}")
+                self._break(f"{error.code().name}: {error.details()}")
                 continue
             except StopIteration:
-                self._break(oldest, "the executor ended the stream")
+                self._break("the executor ended the stream")
                 continue
             if answer.step_id != oldest.step_id:
-                self._break(oldest, f"step {oldest.step_id} was answered as step {answer.step_id}")
+                self._break(f"step {oldest.step_id} was answered as step {answer.step_id}")
                 continue
+            self.unanswered.popleft()
             oldest.answer = answer
         return pending.answer
 
-    def _break(self, oldest: _PendingStep, reason: str) -> None:
-        for pending in [oldest, *self.unanswered]:
+    def _break(self, reason: str) -> None:
+        for pending in self.unanswered:
             pending.answer = ExecutorUnavailable(reason)
         self.unanswered.clear()
         self.broken = True

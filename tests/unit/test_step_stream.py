@@ -151,3 +151,47 @@ def test_a_broken_stream_leaves_every_unanswered_step_in_doubt_and_the_next_step
     assert backends.streams[""] is not broken
     with pytest.raises(ExecutorUnavailable):  # nobody serves: the new stream fails as well, in doubt
         after.result()
+
+
+class SilentExecutor(executor_pb2_grpc.ExecutorServicer):
+    """Takes the steps of a stream and never answers one, nor ends the stream: a hung executor."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.received, self.release = [], threading.Event()
+
+    def Execute(self, request_iterator, context):
+        for message in request_iterator:
+            self.received.append(message.step_id)
+            if len(self.received) == 1:
+                self.release.wait(60)
+        return iter(())
+
+
+@pytest.mark.parametrize("steps_out", [1, 2])
+def test_a_step_left_unanswered_is_in_doubt_once_overdue_even_the_last_one_out(monkeypatch, steps_out):
+    """The stream's watchdog cancels it when the oldest step out is overdue; the step being waited for counts,
+    also when no other step is out (the engine loop one step at a time, or the last step of a run)."""
+    import time
+
+    monkeypatch.setattr(scheduler_server, "RPC_TIMEOUT_S", 1.0)
+    silent = SilentExecutor()
+    service = Service("executor_svc", "127.0.0.1", 0)
+    executor_pb2_grpc.add_ExecutorServicer_to_server(silent, service.server)
+    service.start()
+    ch = channel(service.address)
+    try:
+        backends = RemoteBackends(None, executor_pb2_grpc.ExecutorStub(ch))
+        out = [backends.submit(ExecuteStep([prefill(f"r{i}", [1, 2], i)], step_id=i)) for i in range(1, steps_out + 1)]
+        started = time.monotonic()
+        for pending in out:
+            with pytest.raises(ExecutorUnavailable, match="CANCELLED"):
+                pending.result()
+        assert time.monotonic() - started < 1.0 + 3 * scheduler_server.WATCH_EVERY_S
+        assert silent.received[:1] == [1]
+    finally:
+        silent.release.set()
+        ch.close()
+        service.stop(grace=0)
+
