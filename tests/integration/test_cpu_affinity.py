@@ -27,7 +27,7 @@ def threads_nice(pid: int) -> set[int]:
     return {int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]) for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
-def test_the_control_plane_gets_its_cpus_and_the_others_the_rest(model):
+def test_the_control_plane_gets_its_cpus_the_others_the_rest_and_the_frontend_its_nice(model):
     cpus = sorted(os.sched_getaffinity(0))
     started_at = os.getpriority(os.PRIO_PROCESS, 0)
     frontend_nice = min(started_at + 5, 19)
