@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Protocol
@@ -541,6 +542,13 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
+def _each_thread(apply: Callable[[int], object]) -> None:
+    """apply(thread id) for every thread of this process (Linux keeps CPU masks and nice values per thread)."""
+    for thread_id in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            apply(int(thread_id))
+
+
 def pin_to_cpus(cpus: str | None) -> None:
     """Every thread of this process, and each it starts later, on these CPUs (ServingConfig.cpus)."""
     if cpus is None:
@@ -548,9 +556,7 @@ def pin_to_cpus(cpus: str | None) -> None:
     wanted = parse_cpu_list(cpus)
     try:
         # The threads started so far each keep their own mask; new ones inherit their starter's.
-        for thread_id in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.sched_setaffinity(int(thread_id), wanted)
+        _each_thread(lambda thread_id: os.sched_setaffinity(thread_id, wanted))
     except OSError as error:  # none of them is available to this process
         raise SystemExit(f"cpus {cpus}: {error.strerror}: none of these CPUs is available to this process")
     # CPUs outside the process's cpuset are dropped without an error: a partial pin is refused too.
@@ -566,9 +572,7 @@ def set_nice(nice: int | None) -> None:
     if nice is None or nice == os.getpriority(os.PRIO_PROCESS, 0):
         return
     try:
-        for thread_id in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.setpriority(os.PRIO_PROCESS, int(thread_id), nice)
+        _each_thread(lambda thread_id: os.setpriority(os.PRIO_PROCESS, thread_id, nice))
     except PermissionError:
         raise SystemExit(f"nice {nice}: below the nice this process started at "
                          f"({os.getpriority(os.PRIO_PROCESS, 0)}) needs CAP_SYS_NICE")
