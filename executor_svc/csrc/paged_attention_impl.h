@@ -280,7 +280,9 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
       V p = vexp(scores - m_new[r]);
       if (masked) p = scores == splat(-__builtin_inff()) ? V{} : p;
       sum[r] += p;
-      store(&pw[r][jj], p);
+      // The weights rounded to bfloat16 as the row-vector path rounds them for dot_pairs: a token's outputs
+      // then do not depend on which path served it (a prompt whole, or after a cached prefix).
+      store(&pw[r][jj], pairs_path<T>() ? round_bf16(p) : p);
     }
   for (int r = 0; r < NR; r++) {
     l[r] = l[r] * alpha[r] + hsum(sum[r]);
@@ -391,6 +393,65 @@ static void attend_dot(const Args& a, const WorkItem& it) {
   }
 }
 
+// out[jp][d] holds the bfloat16 values of keys 2jp (low half) and 2jp + 1 (high half) at head_dim position d,
+// for jp < num_pairs: the pairs dot_pairs takes (an odd tile's last pair gets the row of zeros past its end).
+template <typename T>
+static inline void value_pairs(const T* const* vp, int num_pairs, int D, unsigned (*out)[MAX_HEAD_DIM]) {
+  for (int jp = 0; jp < num_pairs; jp++) {
+    const unsigned short* lo = (const unsigned short*)vp[2 * jp];
+    const unsigned short* hi = (const unsigned short*)vp[2 * jp + 1];
+    int d = 0;
+    for (; d + W <= D; d += W)
+      *(VU*)&out[jp][d] = __builtin_convertvector(*(const VH*)(lo + d), VU) |
+                          __builtin_convertvector(*(const VH*)(hi + d), VU) << 16;
+    for (; d < D; d++) out[jp][d] = (unsigned)lo[d] | (unsigned)hi[d] << 16;
+  }
+}
+
+#if defined(PAGED_BF16_DOT)
+// acc (head_dim-major, RV vectors of rows) rescaled by alpha plus the tile's nk softmax weights (pw) applied to
+// its values (vpair), two keys per dot_pairs: the weights rounded to bfloat16 and paired (ppair) once a tile,
+// then U head_dim positions at a time, U x RV independent accumulators.
+template <int RV>
+static inline void apply_value_pairs(int D, int nk, const float (*pw)[RV * W], const V* alpha,
+                                     const unsigned (*vpair)[MAX_HEAD_DIM], unsigned (*ppair)[RV * W],
+                                     float (*acc)[RV * W]) {
+  const int np = (nk + 1) / 2;
+  for (int jp = 0; jp < np; jp++)
+    for (int v = 0; v < RV; v++) {
+      const VU lo = bf16_bits(load(&pw[2 * jp][v * W])) >> 16;
+      const VU hi = 2 * jp + 1 < nk ? bf16_bits(load(&pw[2 * jp + 1][v * W])) : VU{};
+      *(VU*)&ppair[jp][v * W] = lo | hi;
+    }
+  constexpr int U = 8;
+  int d = 0;
+  for (; d + U <= D; d += U) {
+    V o[U][RV];
+    for (int u = 0; u < U; u++)
+      for (int v = 0; v < RV; v++) o[u][v] = load(&acc[d + u][v * W]) * alpha[v];
+    for (int jp = 0; jp < np; jp++) {
+      VU p[RV];
+      for (int v = 0; v < RV; v++) p[v] = *(const VU*)&ppair[jp][v * W];
+      for (int u = 0; u < U; u++) {
+        const VU x = VU{} + vpair[jp][d + u];
+        for (int v = 0; v < RV; v++) o[u][v] = dot_pairs(o[u][v], p[v], x);
+      }
+    }
+    for (int u = 0; u < U; u++)
+      for (int v = 0; v < RV; v++) store(&acc[d + u][v * W], o[u][v]);
+  }
+  for (; d < D; d++) {  // head dims that are not a multiple of U
+    V o[RV];
+    for (int v = 0; v < RV; v++) o[v] = load(&acc[d][v * W]) * alpha[v];
+    for (int jp = 0; jp < np; jp++) {
+      const VU x = VU{} + vpair[jp][d];
+      for (int v = 0; v < RV; v++) o[v] = dot_pairs(o[v], *(const VU*)&ppair[jp][v * W], x);
+    }
+    for (int v = 0; v < RV; v++) store(&acc[d][v * W], o[v]);
+  }
+}
+#endif
+
 // Many query rows (prefill chunks): rows are vectorised instead, ROW_VECS * W of them per item, so each key
 // element is broadcast against a vector of query rows (a small GEMM with the queries transposed once) and
 // the online softmax runs across rows, with no horizontal sums. A tile's scores are computed ROWS_KEY_CHUNK
@@ -410,7 +471,12 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   alignas(64) float pw[TK][RT];  // a tile's scores, then its softmax weights
   alignas(64) float posf[RT];
   alignas(64) float kbuf[sizeof(T) == 4 || PAIRS ? 1 : TK * MAX_HEAD_DIM];
-  alignas(64) float vbuf[sizeof(T) == 4 ? 1 : TK * MAX_HEAD_DIM];
+  alignas(64) float vbuf[sizeof(T) == 4 || PAIRS ? 1 : TK * MAX_HEAD_DIM];
+  // With pairs, the values go through dot_pairs too: a tile's V as pairs of consecutive keys along head_dim,
+  // against its softmax weights rounded to bfloat16 and paired the same way (as FlashAttention applies bfloat16
+  // probabilities to the values), accumulated in float32.
+  alignas(64) unsigned vpair[PAIRS ? TK / 2 : 1][PAIRS ? MAX_HEAD_DIM : 1];
+  alignas(64) unsigned ppair[PAIRS ? TK / 2 : 1][RT];
   const int rows = it.rows;
   for (int i = 0; i < RT; i++) {
     const int row = it.row0 + i;
@@ -445,8 +511,12 @@ static void attend_rows(const Args& a, const WorkItem& it) {
     chunk_rows(a, s, h, j0, TK, key_end, kp, vp);
     const float* kf[TK];
     const float* vf[TK];
-    if constexpr (!PAIRS) float_rows(kp, nc, D, kbuf, kf);
-    float_rows(vp, nk, D, vbuf, vf);
+    if constexpr (PAIRS)
+      value_pairs(vp, (nk + 1) / 2, D, vpair);
+    else {
+      float_rows(kp, nc, D, kbuf, kf);
+      float_rows(vp, nk, D, vbuf, vf);
+    }
     for (int jc = 0; jc < nc; jc += KC) {
       V sc[KC][RV];
       for (int j = 0; j < KC; j++)
@@ -500,6 +570,12 @@ static void attend_rows(const Args& a, const WorkItem& it) {
       l[v] = l[v] * alpha[v] + sum;
       m[v] = m_new;
     }
+#if defined(PAGED_BF16_DOT)
+    if constexpr (PAIRS) {
+      apply_value_pairs<RV>(D, nk, pw, alpha, vpair, ppair, acc);
+      continue;
+    }
+#endif
     // Four head_dim positions at a time: 4 x RV independent accumulators, each taking one FMA per key.
     for (int d = 0; d < D; d += 4) {
       V o[4][RV];
