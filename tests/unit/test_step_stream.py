@@ -4,6 +4,9 @@ there, and serves a scheduler's steps on one stream, run in order and answered i
 told in the answer; the scheduler's end of the stream turns a broken stream into ExecutorUnavailable."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -75,8 +78,6 @@ def executor_service(tiny_llama_dir):
     service = Service("executor_svc", "127.0.0.1", 0)
     executor_pb2_grpc.add_ExecutorServicer_to_server(servicer, service.server)
     service.start()
-    import threading
-
     stopping = threading.Event()
     worker = threading.Thread(target=servicer.worker.run, args=(stopping,), daemon=True)
     worker.start()
@@ -157,8 +158,6 @@ class SilentExecutor(executor_pb2_grpc.ExecutorServicer):
     """Takes the steps of a stream and never answers one, nor ends the stream: a hung executor."""
 
     def __init__(self) -> None:
-        import threading
-
         self.received, self.release = [], threading.Event()
 
     def Execute(self, request_iterator, context):
@@ -173,8 +172,6 @@ class SilentExecutor(executor_pb2_grpc.ExecutorServicer):
 def test_a_step_left_unanswered_is_in_doubt_once_overdue_even_the_last_one_out(monkeypatch, steps_out):
     """The stream's watchdog cancels it when the oldest step out is overdue; the step being waited for counts,
     also when no other step is out (the engine loop one step at a time, or the last step of a run)."""
-    import time
-
     monkeypatch.setattr(scheduler_server, "RPC_TIMEOUT_S", 1.0)
     silent = SilentExecutor()
     service = Service("executor_svc", "127.0.0.1", 0)
