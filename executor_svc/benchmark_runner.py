@@ -1,9 +1,11 @@
 """An executor that runs no model, for measuring the control plane alone (--benchmark-sleep-ms).
 
 It answers Execute exactly as ModelRunner does (the same per-request state, validation, rejections, epoch
-and scheduler checks, because it runs ModelRunner's step code) but its forward pass is a sleep of the
-configured length, and the token it returns for a request at a position is a fixed function of both, never
-an end-of-sequence token. No weights are loaded and no KV tensors allocated; the block count is what the
+and scheduler checks, because it runs ModelRunner's step code) but its forward pass is the configured time on
+a stand-in device, and the token it returns for a request at a position is a fixed function of both, never
+an end-of-sequence token. The device runs steps as a GPU's queue does: one at a time, each from its launch
+or the end of the step before it, whichever is later, while the host goes on to launch the next; a step's
+result is handed over when its time on the device has passed. No weights are loaded and no KV tensors allocated; the block count is what the
 same configuration would give a real executor, so the scheduler and the block manager see the same pool.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from executor_svc.kv_cache import kv_cache_budget, num_blocks_for_budget
 from executor_svc.model_config import ModelArchitecture, parse_dtype
 from executor_svc.model_loader import generation_eos_token_ids, model_fingerprint, resolve_model_dir
-from executor_svc.model_runner import ModelRunner
+from executor_svc.model_runner import LaunchedStep, ModelRunner
 from executor_svc.sampler import TokenCounts
 from executor_svc.structured_output import StructuredOutput
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -53,6 +55,13 @@ def _id_hash(request_id: str) -> int:
     return zlib.crc32(request_id.encode())
 
 
+class SleepingStep(LaunchedStep):
+    def result(self) -> ExecuteResult:
+        if (delay := self.ready_at - time.monotonic()) > 0:
+            sleep_exactly(delay)
+        return self.outcome
+
+
 class SleepingRunner(ModelRunner):
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None) -> None:
@@ -63,6 +72,7 @@ class SleepingRunner(ModelRunner):
         scheduler_config = scheduler_config or SchedulerConfig()
         self.model_config, self.cache_config = model_config, cache_config
         self.sleep_s = model_config.benchmark_sleep_ms / 1000
+        self.device_free_at = 0.0  # time.monotonic() at which the stand-in device finishes its last step
         self.device = torch.device("cpu")  # the pool is sized by the CPU rule: no device memory to measure
         self.dtype = parse_dtype(model_config.dtype)
         self.block_size = cache_config.block_size
@@ -97,9 +107,15 @@ class SleepingRunner(ModelRunner):
                     model_config.benchmark_sleep_ms, self.num_blocks, self.block_size)
 
     def execute(self, step: ExecuteStep) -> ExecuteResult:
+        return self.launch(step).result()
+
+    def launch(self, step: ExecuteStep) -> SleepingStep:
         sampling, _, result = self._run_model(step)
         result.sampled = self._remember_samples(sampling, map(SampledToken, self.tokens_for(sampling)))
-        return result
+        if not result.num_prefill_tokens + result.num_decode_tokens:
+            return SleepingStep(result)  # nothing ran: the device was not used
+        self.device_free_at = max(time.monotonic(), self.device_free_at) + self.sleep_s
+        return SleepingStep(result, self.device_free_at)
 
     def step_logits(self, step: ExecuteStep):
         raise NotImplementedError("the benchmarking executor computes no logits")
@@ -121,7 +137,6 @@ class SleepingRunner(ModelRunner):
         result = ExecuteResult(num_loaded_blocks=num_loaded, num_failed_loads=num_failed)
         if not requests:
             return [], None, result
-        sleep_exactly(self.sleep_s)
         lengths = [len(r.token_ids) for r in requests]
         result.num_decode_tokens = lengths.count(1)
         result.num_prefill_tokens = sum(lengths) - result.num_decode_tokens

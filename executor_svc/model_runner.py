@@ -51,6 +51,18 @@ class StaleEpoch(Exception):
 
 
 @dataclass
+class LaunchedStep:
+    """A step the runner has launched: its host work is done, and result() hands its result over once the
+    device has run it. Until ready_at (time.monotonic()) the device is busy with it, and the executor may
+    launch the next step meanwhile. This runner's device is the host itself: its steps are done at launch."""
+    outcome: ExecuteResult
+    ready_at: float = 0.0
+
+    def result(self) -> ExecuteResult:
+        return self.outcome
+
+
+@dataclass
 class RequestState:
     params: SamplingParams
     block_ids: list[int]
@@ -180,6 +192,10 @@ class ModelRunner:
             for req in step.requests:
                 self._drop(req.request_id)
             raise
+
+    def launch(self, step: ExecuteStep) -> LaunchedStep:
+        """execute(), as the executor's step worker calls it (see LaunchedStep)."""
+        return LaunchedStep(self.execute(step))
 
     def _execute(self, step: ExecuteStep) -> ExecuteResult:
         sampling, logits, result = self._run_model(step)

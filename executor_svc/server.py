@@ -4,12 +4,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 import grpc
 
-from executor_svc.model_runner import ModelRunner, StaleEpoch
+from executor_svc.model_runner import LaunchedStep, ModelRunner, StaleEpoch
 from executor_svc.offload import HostTier, RedisTier
 from pagedserve.convert import execute_result_to_proto, execute_step_from_proto
 from pagedserve.step import ExecuteStep
@@ -28,27 +29,55 @@ class StepWorker:
     torch's OpenMP pool belongs to the thread that uses it: steps on gRPC's worker threads would each
     bring up a pool of their own beside the one that loaded the model, and the pools' waiting threads
     would fight over the cores. So the process's main thread runs every step.
+
+    A submitted function launches its step (ModelRunner.launch). While a launched step still occupies the
+    device, the next step, if it has come, is launched behind it before the first one's result is handed
+    over, so that the host's work for a step overlaps the device's work for the one before.
     """
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
 
-    def submit(self, fn: Callable[[ExecuteStep], object], step: ExecuteStep) -> Future:
+    def submit(self, fn: Callable[[ExecuteStep], LaunchedStep], step: ExecuteStep) -> Future:
         future: Future = Future()
         self.jobs.put((future, fn, step))
         return future
 
     def run(self, stopping: threading.Event) -> None:
+        on_device: tuple[Future, LaunchedStep] | None = None
         while not stopping.is_set():
+            if on_device is not None and on_device[1].ready_at <= time.monotonic():
+                self._hand_over(*on_device)
+                on_device = None
+            wait_s = 0.2 if on_device is None else max(on_device[1].ready_at - time.monotonic(), 0)
             try:
-                future, fn, step = self.jobs.get(timeout=0.2)
+                job = self.jobs.get(timeout=wait_s)
             except queue.Empty:
-                continue
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(step))
-                except BaseException as error:  # handed to the stream, which reports it
-                    future.set_exception(error)
+                job = None
+            launched = self._launch(*job) if job is not None else None
+            if on_device is not None:
+                self._hand_over(*on_device)
+            on_device = launched
+        if on_device is not None:
+            self._hand_over(*on_device)
+
+    @staticmethod
+    def _launch(future: Future, fn: Callable[[ExecuteStep], LaunchedStep],
+                step: ExecuteStep) -> tuple[Future, LaunchedStep] | None:
+        if not future.set_running_or_notify_cancel():
+            return None
+        try:
+            return future, fn(step)
+        except BaseException as error:  # handed to the stream, which reports it
+            future.set_exception(error)
+            return None
+
+    @staticmethod
+    def _hand_over(future: Future, launched: LaunchedStep) -> None:
+        try:
+            future.set_result(launched.result())
+        except BaseException as error:
+            future.set_exception(error)
 
 
 def executor_info(runner: ModelRunner) -> executor_pb2.ExecutorInfo:
@@ -100,7 +129,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
                     malformed.set_exception(MalformedStep(str(error)))
                     answers.put((message.step_id, malformed, {}))
                     continue
-                answers.put((step.step_id, self.worker.submit(self.runner.execute, step), rejected))
+                answers.put((step.step_id, self.worker.submit(self.runner.launch, step), rejected))
         except Exception as error:  # the scheduler went away: its stream ends with an error or cancel
             logger.info("step stream closed: %s", error)
         finally:

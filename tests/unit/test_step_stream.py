@@ -12,7 +12,7 @@ import torch
 
 from executor_svc.build import build_model_runner
 from executor_svc.model_runner import ModelRunner
-from executor_svc.server import ExecutorServicer
+from executor_svc.server import ExecutorServicer, StepWorker
 from pagedserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from pagedserve.convert import execute_step_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -107,6 +107,39 @@ def test_steps_sent_ahead_run_in_order_and_failures_come_back_in_their_answers(e
     assert backends.executor_rpcs == 4
 
 
+def test_the_next_step_is_launched_while_the_device_runs_the_one_before(tiny_llama_dir):
+    """The benchmarking executor's stand-in device runs queued steps back to back: the host launches step 2
+    (its own work for it) before step 1's result is handed over, and step 2's device time starts where step
+    1's ends, not after the host has handed step 1 over."""
+    runner = build_model_runner(ModelConfig(str(tiny_llama_dir), device="cpu", benchmark_sleep_ms=40.0),
+                                CacheConfig(kv_cache_memory=1 << 20), SchedulerConfig())
+    events, launched = [], []
+    real = runner.launch
+
+    def launch(step):
+        events.append(f"launch {step.step_id}")
+        launched.append(real(step))
+        return launched[-1]
+
+    runner.launch = launch
+    worker, stopping = StepWorker(), threading.Event()
+    steps = [ExecuteStep([prefill(f"r{i}", [1, 2], i)], executor_epoch=runner.epoch, step_id=i) for i in (1, 2, 3)]
+    futures = []
+    for step in steps:
+        futures.append(worker.submit(runner.launch, step))
+        futures[-1].add_done_callback(lambda _, i=step.step_id: events.append(f"answer {i}"))
+    thread = threading.Thread(target=worker.run, args=(stopping,), daemon=True)
+    started = time.monotonic()
+    thread.start()
+    assert [set(f.result(timeout=10).sampled) for f in futures] == [{"r1"}, {"r2"}, {"r3"}]
+    elapsed = time.monotonic() - started
+    stopping.set()
+    thread.join()
+    assert events == ["launch 1", "launch 2", "answer 1", "launch 3", "answer 2", "answer 3"]
+    assert [b.ready_at - a.ready_at for a, b in zip(launched, launched[1:])] == pytest.approx([0.04, 0.04], abs=1e-9)
+    assert 0.12 <= elapsed < 0.12 + 0.1
+
+
 def test_a_malformed_step_is_refused_in_its_answer_naming_the_field(tiny_llama_dir):
     runner = build_model_runner(ModelConfig(str(tiny_llama_dir), device="cpu", benchmark_sleep_ms=1.0),
                                 CacheConfig(kv_cache_memory=1 << 20), SchedulerConfig())
@@ -118,14 +151,14 @@ def test_a_malformed_step_is_refused_in_its_answer_naming_the_field(tiny_llama_d
 
 def test_a_step_the_executor_raises_on_fails_alone(executor_service, monkeypatch):
     runner, backends, _ = executor_service
-    real = runner.execute
+    real = runner.launch
 
-    def execute(step):
+    def launch(step):
         if step.step_id == 2:
             raise RuntimeError("boom")
         return real(step)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "launch", launch)
     steps = [backends.submit(ExecuteStep([prefill(f"r{i}", [1, 2], i)], executor_epoch=runner.epoch, step_id=i))
              for i in (1, 2, 3)]
     assert "r1" in steps[0].result().sampled
