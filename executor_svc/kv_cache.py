@@ -1,10 +1,24 @@
 """The KV tensors: allocated once at start-up, sized from a memory budget."""
 from __future__ import annotations
 
+import ctypes
+import logging
+import sys
+
 import torch
 
 from executor_svc.model_config import ModelArchitecture
 from pagedserve.config import CPU_KV_CACHE_CAP, CacheConfig
+
+logger = logging.getLogger(__name__)
+
+# Attention reads a request's blocks scattered over the pool, each on a page of its own with 4 kB pages, so
+# every block costs a TLB miss (a two-level walk inside a VM). With 2 MB pages the TLB covers the pool: decode
+# attention over 30 layers' pools ran 14% faster in bfloat16 and 7% in float32 on an AMD EPYC (docs/benchmarks.md).
+# Linux's transparent huge pages, in their common "madvise" mode, back only memory advised so before its first
+# touch.
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # Linux's value
 
 
 def kv_cache_budget(cache: CacheConfig, device: torch.device, bytes_per_token: int, max_model_len: int,
@@ -46,7 +60,24 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zeros, not empty: attention masks padded key slots, and a masked NaN would still poison the sum.
     shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)  # HND, see the attention backend
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(config.num_layers)
-    ]
+    if device.type != "cpu":
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(config.num_layers)]
+    numel = num_blocks * config.num_kv_heads * block_size * config.head_dim
+    pool = huge_page_zeros(2 * config.num_layers * numel * dtype.itemsize).view(dtype)
+    return [(pool[2 * i * numel:(2 * i + 1) * numel].view(shape), pool[(2 * i + 1) * numel:(2 * i + 2) * numel].view(shape))
+            for i in range(config.num_layers)]
+
+
+def huge_page_zeros(nbytes: int) -> torch.Tensor:
+    """nbytes of zeroed host memory (uint8), starting on a 2 MB boundary and advised for transparent huge pages
+    before it is touched (Linux; elsewhere, or where the kernel declines, ordinary pages)."""
+    whole = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.empty(whole + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    if sys.platform == "linux" and whole:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(raw.data_ptr() + offset, whole, MADV_HUGEPAGE) != 0:
+            logger.info("transparent huge pages not available for the KV pool (errno %d)", ctypes.get_errno())
+    return raw[offset:offset + nbytes].zero_()

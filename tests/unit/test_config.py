@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,32 @@ def test_cpu_kv_cache_is_sized_from_the_workload_and_capped(monkeypatch):
     monkeypatch.setattr(kv_cache, "host_memory_total", lambda: 8 << 30)
     assert budget(CacheConfig(), cpu, 46080, 8192, 256) == int((8 << 30) * 0.3)
     assert budget(CacheConfig(kv_cache_memory=5), cpu, 46080, 8192, 256) == 5
+
+
+def test_the_cpu_kv_pool_is_one_zeroed_buffer_on_huge_pages_where_linux_offers_them():
+    arch = types.SimpleNamespace(num_layers=3, num_kv_heads=2, head_dim=16)  # what the pool's shape takes
+    caches = kv_cache.allocate_kv_caches(arch, num_blocks=1000, block_size=16, dtype=torch.bfloat16,
+                                         device=torch.device("cpu"))
+    tensors = [t for pair in caches for t in pair]
+    layer_bytes = 1000 * 2 * 16 * 16 * 2
+    assert all(t.shape == (1000, 2, 16, 16) and t.is_contiguous() and not t.any() for t in tensors)
+    # Back to back in one buffer that starts on a 2 MB boundary: the layers do not overlap.
+    assert [t.data_ptr() - tensors[0].data_ptr() for t in tensors] == [i * layer_bytes for i in range(6)]
+    assert tensors[0].data_ptr() % kv_cache.HUGE_PAGE == 0
+    tensors[-1][-1] = 1
+    assert tensors[-1].sum() == 16 * 16 * 2 and not tensors[-2].any()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        start = tensors[0].data_ptr()
+        huge_kb = 0
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            fields = line.split()
+            if "-" in fields[0] and len(fields) > 4:  # a mapping's header: does it hold the pool's start?
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                inside = low <= start < high
+            elif inside and fields[0] == "AnonHugePages:":
+                huge_kb += int(fields[1])
+        assert huge_kb >= 2048
 
 
 def test_runner_without_a_budget_holds_max_num_seqs_full_contexts(tiny_llama_dir):
