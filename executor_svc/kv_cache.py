@@ -1,9 +1,8 @@
 """The KV tensors: allocated once at start-up, sized from a memory budget."""
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
+import mmap
 
 import torch
 
@@ -18,7 +17,6 @@ logger = logging.getLogger(__name__)
 # Linux's transparent huge pages, in their common "madvise" mode, back only memory advised so before its first
 # touch.
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # Linux's value
 
 
 def kv_cache_budget(cache: CacheConfig, device: torch.device, bytes_per_token: int, max_model_len: int,
@@ -70,14 +68,18 @@ def allocate_kv_caches(
 
 
 def huge_page_zeros(nbytes: int) -> torch.Tensor:
-    """nbytes of zeroed host memory (uint8), starting on a 2 MB boundary and advised for transparent huge pages
-    before it is touched (Linux; elsewhere, or where the kernel declines, ordinary pages)."""
+    """nbytes of zeroed host memory (uint8) starting on a 2 MB boundary, from a fresh anonymous mapping advised
+    for transparent huge pages before it is touched (where Linux offers them; elsewhere ordinary pages). Fresh,
+    because memory the allocator hands back from its heap may have its small pages already."""
     whole = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(whole + HUGE_PAGE, dtype=torch.uint8)
+    # Private: a shared anonymous mapping is shmem, whose huge pages another setting governs (off by default).
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+    region = mmap.mmap(-1, whole + HUGE_PAGE, **private)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
     offset = -raw.data_ptr() % HUGE_PAGE
-    if sys.platform == "linux" and whole:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(raw.data_ptr() + offset, whole, MADV_HUGEPAGE) != 0:
-            logger.info("transparent huge pages not available for the KV pool (errno %d)", ctypes.get_errno())
-    return raw[offset:offset + nbytes].zero_()
+    if whole and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, offset, whole)
+        except OSError as error:
+            logger.info("transparent huge pages not available for the KV pool: %s", error)
+    return raw[offset:offset + nbytes].zero_()  # faulted in now, as the pool always was
