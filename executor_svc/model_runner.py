@@ -133,6 +133,9 @@ class ModelRunner:
         self.model.load_weights(iterate_weights(self.model_dir))
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # RoPE tables stay float32, as transformers keeps them
+        if fused_ops is not None and self.dtype == torch.bfloat16:
+            packed, plain = self.model.pack_bfloat16_linears()
+            logger.info("linear layers: %d packed for oneDNN, %d plain", packed, plain)
 
         budget = kv_cache_budget(cache_config, self.device, self.config.kv_bytes_per_token(self.dtype),
                                  self.config.max_model_len, scheduler_config.max_num_seqs)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pagedserve.config
 from executor_svc.model_runner import ModelRunner
@@ -78,3 +79,42 @@ def test_min_tokens_bans_stop_tokens_for_every_row_in_one_write(tiny_llama_dir):
     banned = {7, *runner.eos_token_ids}
     assert set(torch.nonzero(logits[0] == float("-inf")).flatten().tolist()) == banned
     assert not torch.isinf(logits[1]).any()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 600])
+def test_a_bfloat16_linear_packed_for_onednn_gives_f_linears_bits_and_lets_its_plain_weight_go(rows):
+    from executor_svc.attention.cpu_backend import load_extension
+    from executor_svc.models.llama import Linear
+
+    torch.manual_seed(rows)
+    layer = Linear(64, 96, True, load_extension()).to(torch.bfloat16)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    wide = torch.randn(rows, 128).bfloat16()
+    inputs = [wide[:, :64], wide[:, :64].contiguous()]  # rows strided as the down projection reads them, and not
+    with torch.inference_mode():
+        expected = [F.linear(x, weight, bias) for x in inputs]
+        assert layer.pack()
+        assert layer.weight.numel() == 0 and layer.packed is not None
+        assert all(torch.equal(layer(x), e) for x, e in zip(inputs, expected))
+
+
+def test_a_bfloat16_model_runs_packed_with_the_same_logits_and_a_float32_one_stays_plain(tiny_llama_dir, monkeypatch):
+    from executor_svc.models.llama import Linear, LlamaForCausalLM
+
+    def logits(runner):
+        step = ExecuteStep([ExecuteRequest(request_id="a", token_ids=list(range(1, 40)), start_position=0,
+                                           new_block_ids=[0, 1, 2], sample=True,
+                                           sampling_params=SamplingParams(temperature=0, max_tokens=2), prompt_len=39)])
+        return runner.step_logits(step)["a"]
+
+    config, cache = ModelConfig(str(tiny_llama_dir), device="cpu", dtype="bfloat16"), CacheConfig(kv_cache_memory=1 << 20)
+    packed = ModelRunner(config, cache)
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.weight.numel() == 0 for m in linears)
+    assert packed.model.lm_head is not None or packed.model.packed_head is not None
+    monkeypatch.setattr(LlamaForCausalLM, "pack_bfloat16_linears", lambda self: (0, 0))
+    plain = ModelRunner(config, cache)
+    assert torch.equal(logits(packed), logits(plain))
+    monkeypatch.undo()
+    fp32 = ModelRunner(ModelConfig(str(tiny_llama_dir), device="cpu", dtype="float32"), cache)
+    assert all(m.packed is None and m.weight.numel() > 0 for m in fp32.model.modules() if isinstance(m, Linear))
