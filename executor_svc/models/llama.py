@@ -226,6 +226,12 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         return linear(hidden, self.embed_tokens.weight, None, self.fused_ops, self.packed_head).float()
 
+    def weight_numel(self) -> int:
+        """Weights held: the parameters, a packed layer's as the plain weight it replaced (a tied head's packed copy
+        is the embedding table's, counted once)."""
+        return sum(p.numel() for p in self.parameters()) + sum(
+            m.in_features * m.out_features for m in self.modules() if isinstance(m, Linear) and m.packed is not None)
+
     @torch.no_grad()
     def pack_bfloat16_linears(self) -> tuple[int, int]:
         """Packs the linear layers' bfloat16 weights for oneDNN (pack_for_onednn), a tied LM head's as a copy beside

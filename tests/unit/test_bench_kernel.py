@@ -19,7 +19,7 @@ def test_random_checkpoint_loads_and_floor_counts_every_weight_once(tmp_path, ti
     runner = ModelRunner(ModelConfig(str(tmp_path), dtype="bfloat16", device="cpu"),
                          CacheConfig(block_size=16, kv_cache_memory=1 << 20))
     assert runner.config.model_type == "qwen2" and runner.config.qkv_bias and runner.config.head_dim == 64
-    assert params == sum(p.numel() for p in runner.model.parameters())
+    assert params == runner.model.weight_numel()
     weight, kv = kernel.decode_floor_bytes(runner, [100, 28])
     embedding = 50 * 128 * 2
     assert weight == 2 * params - (0 if tied else embedding)
