@@ -5,8 +5,9 @@ and scheduler checks, because it runs ModelRunner's step code) but its forward p
 a stand-in device, and the token it returns for a request at a position is a fixed function of both, never
 an end-of-sequence token. The device runs steps as a GPU's queue does: one at a time, each from its launch
 or the end of the step before it, whichever is later, while the host goes on to launch the next; a step's
-result is handed over when its time on the device has passed. No weights are loaded and no KV tensors allocated; the block count is what the
-same configuration would give a real executor, so the scheduler and the block manager see the same pool.
+result is handed over when its time on the device has passed. No weights are loaded and no KV tensors
+allocated; the block count is what the same configuration would give a real executor, so the scheduler and
+the block manager see the same pool.
 """
 from __future__ import annotations
 

@@ -63,8 +63,8 @@ def allocate_kv_caches(
                 for _ in range(config.num_layers)]
     numel = num_blocks * config.num_kv_heads * block_size * config.head_dim
     pool = huge_page_zeros(2 * config.num_layers * numel * dtype.itemsize).view(dtype)
-    return [(pool[2 * i * numel:(2 * i + 1) * numel].view(shape), pool[(2 * i + 1) * numel:(2 * i + 2) * numel].view(shape))
-            for i in range(config.num_layers)]
+    halves = [pool[i * numel:(i + 1) * numel].view(shape) for i in range(2 * config.num_layers)]
+    return list(zip(halves[0::2], halves[1::2]))
 
 
 def huge_page_zeros(nbytes: int) -> torch.Tensor:

@@ -236,13 +236,12 @@ class LlamaForCausalLM(nn.Module):
     def pack_bfloat16_linears(self) -> tuple[int, int]:
         """Packs the linear layers' bfloat16 weights for oneDNN (pack_for_onednn), a tied LM head's as a copy beside
         the embedding table that the lookup reads. Returns (layers packed, layers that kept a plain weight)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        packed = sum(m.pack() for m in linears)
+        layers = [m for m in self.modules() if isinstance(m, Linear)]
+        packed, total = sum(m.pack() for m in layers), len(layers)
         if self.lm_head is None:
             self.packed_head = pack_for_onednn(self.embed_tokens.weight, None)
-            packed += self.packed_head is not None
-            linears.append(None)
-        return packed, len(linears) - packed
+            packed, total = packed + (self.packed_head is not None), total + 1
+        return packed, total - packed
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
