@@ -134,8 +134,8 @@ class ModelConfig(_Config):
                                      min=1)
     enforce_eager: bool = option(False, "no CUDA graphs: every decode step runs eagerly")
     benchmark_sleep_ms: float | None = option(
-        None, "benchmarking the control plane: the executor loads no weights, sleeps this long per step and "
-              "returns deterministic tokens", min=0.001)
+        None, "benchmarking the control plane: the executor loads no weights, each step takes this long on a stand-in "
+              "device (steps queue back to back, as on a GPU) and returns deterministic tokens", min=0.001)
     cuda_graph_batch_sizes: tuple[int, ...] | None = option(
         None, "decode batch sizes to capture a CUDA graph for (default: 1, 2, 4, ... 256 up to max_num_seqs)",
         min=1)
