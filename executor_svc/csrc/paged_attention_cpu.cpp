@@ -44,7 +44,7 @@ struct Args {
 };
 
 struct WorkItem {
-  int seq, kv_head, row0, rows;
+  int seq, kv_head, kv_heads, row0, rows;  // KV heads [kv_head, kv_head + kv_heads), rows [row0, row0 + rows) of each
   bool rows_path;
   double cost;
 };
@@ -54,6 +54,7 @@ struct WorkItem {
 #if defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma")
+#define PAGED_AVX512 1
 namespace isa_avx512 {
 constexpr int W = 16;
 constexpr int ROWS_KEY_CHUNK = 8;  // ROW_VECS x 8 score accumulators of the 32 vector registers
@@ -62,8 +63,8 @@ constexpr int DOT_ROW_BLOCK = 4;   // query rows a dot-product step serves at on
 }  // namespace isa_avx512
 #pragma GCC pop_options
 
-// The same with AVX512-BF16: bfloat16 caches take their score products as bfloat16 pairs, two per float32 lane
-// and instruction (PAGED_BF16_DOT in the header); value products stay float32 on every path.
+// The same with AVX512-BF16: bfloat16 caches take their score and value products as bfloat16 pairs, two per
+// float32 lane and instruction (PAGED_BF16_DOT in the header).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")
 #define PAGED_BF16_DOT 1
@@ -74,6 +75,7 @@ constexpr int DOT_ROW_BLOCK = 4;
 #include "paged_attention_impl.h"
 }  // namespace isa_avx512_bf16
 #undef PAGED_BF16_DOT
+#undef PAGED_AVX512
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -190,6 +192,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   std::vector<WorkItem> items;
   const int32_t* qs = a.query_start;
   const int32_t* cl = a.context_lens;
+  // Items of the dot-product path serve several KV heads at once (see attend_dot) where the rows fit and
+  // there are sequences enough to keep every thread busy.
+  const bool group_heads = num_seqs >= 8 * at::get_num_threads();
   for (int s = 0; s < num_seqs; s++) {
     const int n = qs[s + 1] - qs[s], rows = n * G;
     TORCH_CHECK(n > 0 && n <= cl[s], "sequence ", s, " has ", n, " queries over a context of ", cl[s]);
@@ -199,7 +204,12 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     for (int row0 = 0; row0 < rows; row0 += tile) {
       const int r = std::min(tile, rows - row0);
       const double keys = cl[s] - n + (row0 + r - 1) / G + 1;
-      for (int h = 0; h < kvh; h++) items.push_back({s, h, row0, r, rows_path, keys * (rows_path ? tile : r + 4)});
+      const int most = rows_path || !group_heads ? 1 : std::max(1, MAX_DOT_ROWS / r);
+      const int groups = (kvh + most - 1) / most, per_group = (kvh + groups - 1) / groups;
+      for (int h = 0; h < kvh; h += per_group) {
+        const int heads = std::min(per_group, kvh - h);
+        items.push_back({s, h, heads, row0, r, rows_path, keys * heads * (rows_path ? tile : r + 4)});
+      }
     }
   }
   // Heaviest first: the dynamic schedule then ends with small items and the threads finish together.

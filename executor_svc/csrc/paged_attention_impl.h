@@ -1,9 +1,10 @@
-// One instruction set's paged-attention code. paged_attention_cpu.cpp includes this file three times, each
+// One instruction set's paged-attention code. paged_attention_cpu.cpp includes this file four times, each
 // inside its own namespace and `#pragma GCC target` region, with W (floats per vector), ROWS_KEY_CHUNK
 // (keys per step of the row-vector path, as many as the registers hold) and DOT_ROW_BLOCK (query rows per
-// step of the dot-product path, 1 to 4) defined: AVX-512
-// (W = 16), AVX2 + FMA (W = 8) and the baseline ISA (W = 4). It uses GCC vector extensions and builtins only, and nothing from a header, so that no code from a
-// standard template gets compiled for a wider ISA than the one it is called on.
+// step of the dot-product path, 1 to 4) defined: AVX-512 (W = 16) with and without AVX512-BF16, AVX2 + FMA
+// (W = 8) and the baseline ISA (W = 4). It uses GCC vector extensions and builtins, and nothing from a header
+// but the AVX-512 intrinsics (under PAGED_AVX512 and PAGED_BF16_DOT), so that no code from a standard
+// template gets compiled for a wider ISA than the one it is called on.
 //
 // Cache layout (HND): [num_blocks, num_kv_heads, block_size, head_dim]; position p of a sequence lives in
 // block table[p / block_size] at offset p % block_size. T is float or uint16_t (bfloat16 bits).
@@ -16,7 +17,14 @@ typedef unsigned short VH __attribute__((vector_size(W * 2), aligned(2)));
 // x - 0 is x for every x (0 + x is not, for -0), so this compiles to a bare broadcast, from memory where x is.
 static inline V splat(float x) { return x - V{}; }
 static inline V load(const float* p) { return *(const V*)p; }
+#if defined(PAGED_AVX512)
+// GCC splits the generic widening below into 256-bit pieces and inserts; one vpmovzxwd does it.
+static inline V load(const unsigned short* p) {
+  return (V)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+}
+#else
 static inline V load(const unsigned short* p) { return (V)(__builtin_convertvector(*(const VH*)p, VU) << 16); }
+#endif
 static inline void store(float* p, V v) { *(V*)p = v; }
 // The bits of bfloat16(v), rounded to nearest even as torch rounds (a NaN becomes the quiet NaN 0x7fc0), in the
 // high halves of the lanes.
@@ -92,6 +100,17 @@ static inline float hmax_n(VV v) {
   }
 }
 static inline float hsum(V v) { return hsum_n<W>(v); }
+
+// The scores of the dot-product path: vectors of at most 8 lanes (SW).
+constexpr int SW = W > 8 ? 8 : W;
+typedef float VS __attribute__((vector_size(SW * 4), aligned(4)));
+template <typename VV>
+static inline VS fold(VV v) {
+  if constexpr (sizeof(VV) == 64)
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  else
+    return v;
+}
 
 // Lane i of the result is the sum of lanes 2i and 2i + 1 of x ++ y.
 template <int N, typename VV>
@@ -207,22 +226,86 @@ static inline void float_rows(const T* const* src, int count, int D, float* buf,
 static_assert(KEY_TILE % W == 0 && KEY_TILE % ROWS_KEY_CHUNK == 0, "a tile is whole vectors and chunks");
 // Keys whose scores one step of the dot-product path sums at once, per row, and output vectors it
 // accumulates at once, per row: with NR rows (a block of query heads sharing the KV head), NR x KB score
-// and NR x PV_VECS output accumulators, plus NR operands, fill the 16 registers of AVX2 at NR = 3.
+// and NR x PV_VECS output accumulators, plus NR operands, fill the 16 registers of AVX2 at NR = 3, and
+// 8 keys at up to 3 rows fill AVX-512's 32.
 template <int NR>
-constexpr int dot_keys() { return NR == 1 ? W : 4; }
+constexpr int dot_keys() { return NR == 1 || (W == 16 && NR <= 3) ? SW : 4; }
 template <int NR>
 constexpr int pv_vecs() { return NR == 1 ? 8 : 4; }
 
-// Lane j (j < KB) of the result is the horizontal sum of p[j] (p is consumed).
+// Lane j (j < KB) of the result is the horizontal sum of p[j] (p is consumed). A 16-lane vector is folded to
+// 8 lanes first: the shuffles of the tree then move half the bits.
 template <int KB>
-static inline V sum_keys(V* p) {
-  static_assert(KB <= W, "at most a vector's lanes of keys");
+static inline VS sum_keys(V* p) {
+  static_assert(KB <= SW, "at most a score vector's lanes of keys");
+  VS h[KB];
+  for (int j = 0; j < KB; j++) h[j] = fold(p[j]);
   for (int n = KB; n > 1; n /= 2)
-    for (int i = 0; i < n / 2; i++) p[i] = pair_sum(p[2 * i], p[2 * i + 1]);
-  V s = p[0];
-  for (int n = KB; n < W; n *= 2) s = pair_sum(s, s);
+    for (int i = 0; i < n / 2; i++) h[i] = pair_sum_n<SW>(h[2 * i], h[2 * i + 1]);
+  VS s = h[0];
+  for (int n = KB; n < SW; n *= 2) s = pair_sum_n<SW>(s, s);
   return s;
 }
+
+#if defined(PAGED_BF16_DOT)
+// The dot-product path's accumulators, bfloat16 through dot_pairs, hold head_dim in the order the pairs of
+// values come out of vpunpck{l,h}wd: within each 32 positions, lane i of the low half is position
+// 8 (i / 4) + i % 4, of the high half that plus 4. pair_dim maps a slot of acc to its head_dim position.
+static inline int pair_dim(int slot) {
+  const int i = slot % 16;
+  return slot / 32 * 32 + 8 * (i / 4) + 4 * (slot / 16 % 2) + i % 4;
+}
+
+// acc (NR rows, in pair_dim's order) rescaled by alpha plus the tile's nk softmax weights (pw, rounded to
+// bfloat16 already) applied to its values, two keys per dot_pairs: keys 2jp and 2jp + 1 interleaved along
+// head_dim, against their weights paired the same way, as apply_value_pairs pairs them for the row-vector
+// path (the same arithmetic in the same order). With next_vp, the next tile's values are fetched into L2.
+template <int NR>
+static inline void apply_value_pairs_dot(int D, int nk, const float (*pw)[KEY_TILE + W], const float* alpha,
+                                         const unsigned short* const* vp, const unsigned short* const* next_vp,
+                                         float (*acc)[MAX_HEAD_DIM]) {
+  constexpr int TK = KEY_TILE, CH = NR <= 2 ? 4 : 2;  // 32-position chunks per pass: 2 x NR x CH accumulators
+  const int np = (nk + 1) / 2;
+  alignas(64) unsigned wpair[NR][TK / 2];
+  for (int r = 0; r < NR; r++)
+    for (int jj = 0; jj < TK; jj += 2 * W) {
+      const VU x = (VU)load(&pw[r][jj]), y = (VU)load(&pw[r][jj + W]);
+      const VU even = __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+      const VU odd = __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+      *(VU*)&wpair[r][jj / 2] = even >> 16 | (odd & 0xffff0000u);
+    }
+  for (int c0 = 0; c0 < D; c0 += 32 * CH) {
+    const int nc = (D - c0) / 32 < CH ? (D - c0) / 32 : CH;
+    __m512 o[NR][CH][2];
+    for (int r = 0; r < NR; r++)
+      for (int c = 0; c < CH; c++)
+        if (c < nc)
+          for (int h = 0; h < 2; h++) o[r][c][h] = (__m512)(load(&acc[r][c0 + 32 * c + 16 * h]) * alpha[r]);
+    for (int jp = 0; jp < np; jp++) {
+      if (next_vp != nullptr && c0 == 0) {
+        prefetch_row(next_vp[2 * jp], D);
+        prefetch_row(next_vp[2 * jp + 1], D);
+      }
+      __m512bh w[NR];
+      for (int r = 0; r < NR; r++) w[r] = (__m512bh)_mm512_set1_epi32((int)wpair[r][jp]);
+      for (int c = 0; c < CH; c++)
+        if (c < nc) {
+          const __m512i lo = _mm512_loadu_si512(vp[2 * jp] + c0 + 32 * c);
+          const __m512i hi = _mm512_loadu_si512(vp[2 * jp + 1] + c0 + 32 * c);
+          const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(lo, hi), ph = (__m512bh)_mm512_unpackhi_epi16(lo, hi);
+          for (int r = 0; r < NR; r++) {
+            o[r][c][0] = _mm512_dpbf16_ps(o[r][c][0], w[r], pl);
+            o[r][c][1] = _mm512_dpbf16_ps(o[r][c][1], w[r], ph);
+          }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+      for (int c = 0; c < CH; c++)
+        if (c < nc)
+          for (int h = 0; h < 2; h++) store(&acc[r][c0 + 32 * c + 16 * h], (V)o[r][c][h]);
+  }
+}
+#endif
 
 // One tile of keys for NR query rows at once (qs, acc, m, l and pos point at the block's first row): each
 // K and V vector is loaded once for all of them, and their NR softmax chains and accumulator chains are
@@ -271,12 +354,12 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
         for (int r = 0; r < NR; r++) dots[r][j] += qv[r] * k;
       }
     }
-    V key_pos = splat((float)(j0 + jj));
-    for (int j = 0; j < W; j++) key_pos[j] += (float)j;
+    VS key_pos = (float)(j0 + jj) - VS{};
+    for (int j = 0; j < SW; j++) key_pos[j] += (float)j;
     for (int r = 0; r < NR; r++) {
-      V scores = sum_keys<KB>(dots[r]);
+      VS scores = sum_keys<KB>(dots[r]);
       if (qb != nullptr) scores *= scale;
-      store(&pw[r][jj], key_pos > splat((float)pos[r]) ? splat(-__builtin_inff()) : scores);
+      *(VS*)&pw[r][jj] = key_pos > (float)pos[r] - VS{} ? -__builtin_inff() - VS{} : scores;
     }
   }
   // The rows' softmax steps interleaved, their chains independent. Only a tile with keys past some row's
@@ -306,6 +389,13 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
     l[r] = l[r] * alpha[r] + hsum(sum[r]);
     m[r] = m_new[r];
   }
+#if defined(PAGED_BF16_DOT)
+  if constexpr (pairs_path<T>())
+    if (qb != nullptr) {
+      apply_value_pairs_dot<NR>(D, nk, pw, alpha, vp, prefetch ? next_vp : nullptr, acc);
+      return;
+    }
+#endif
   for (int d0 = 0; d0 < D; d0 += PV * W) {
     const int nv = (D - d0) / W < PV ? (D - d0) / W : PV;
     V o[NR][PV];
@@ -332,83 +422,99 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
 // Few query rows (decodes: one query, the G heads of a KV head): scores are dot products along head_dim,
 // summed across lanes. The rows go through each tile in blocks of up to DOT_ROW_BLOCK (dot_tile), so a
 // decode's G query heads share every load of the KV head's keys and values; decode is bound by reading
-// K/V.
+// K/V. An item may serve it.kv_heads consecutive KV heads (the same rows of each): a tile then reads each
+// block's heads one after the other, a run of adjacent memory rather than one head's slice of it, which the
+// memory system streams faster.
 template <typename T, int HEAD_DIM>
 static void attend_dot(const Args& a, const WorkItem& it) {
   constexpr int TK = KEY_TILE;
-  const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, h = it.kv_head, s = it.seq;
+  const int D = HEAD_DIM ? HEAD_DIM : a.head_dim, G = a.num_heads / a.num_kv_heads, s = it.seq;
   const int q0 = a.query_start[s], n = a.query_start[s + 1] - q0, first_pos = a.context_lens[s] - n;
   const T* q = (const T*)a.query;
   // bfloat16 pairs need whole pairs of vectors along head_dim.
   const bool pairs = pairs_path<T>() && D % (2 * W) == 0;
+  // Rows of all the item's heads, head by head: row i of head hh is slot hh * rows + i.
   alignas(64) float qs[MAX_DOT_ROWS][MAX_HEAD_DIM];
   alignas(64) unsigned short qb[pairs_path<T>() ? MAX_DOT_ROWS : 1][MAX_HEAD_DIM];
   alignas(64) float acc[MAX_DOT_ROWS][MAX_HEAD_DIM];
   float m[MAX_DOT_ROWS], l[MAX_DOT_ROWS];
   int pos[MAX_DOT_ROWS];
-  const int rows = it.rows;
-  for (int r = 0; r < rows; r++) {
-    const int row = it.row0 + r;
-    const T* src = q + (long)(q0 + row / G) * a.query_stride + (h * G + row % G) * D;
-    if (pairs)
-      __builtin_memcpy(qb[r], src, D * sizeof(T));
-    else
-      for (int d = 0; d < D; d++) qs[r][d] = to_float(src[d]) * a.scale;
-    for (int d = 0; d < D; d++) acc[r][d] = 0.f;
-    m[r] = -__builtin_inff();
-    l[r] = 0.f;
-    pos[r] = first_pos + row / G;
-  }
+  const int rows = it.rows, heads = it.kv_heads;
+  for (int hh = 0; hh < heads; hh++)
+    for (int i = 0; i < rows; i++) {
+      const int r = hh * rows + i, row = it.row0 + i;
+      const T* src = q + (long)(q0 + row / G) * a.query_stride + ((it.kv_head + hh) * G + row % G) * D;
+      if (pairs)
+        __builtin_memcpy(qb[r], src, D * sizeof(T));
+      else
+        for (int d = 0; d < D; d++) qs[r][d] = to_float(src[d]) * a.scale;
+      for (int d = 0; d < D; d++) acc[r][d] = 0.f;
+      m[r] = -__builtin_inff();
+      l[r] = 0.f;
+      pos[r] = first_pos + row / G;
+    }
   // Blocks as even as the block size allows (7 rows: 3, 2, 2).
   const int num_blocks = (rows + DOT_ROW_BLOCK - 1) / DOT_ROW_BLOCK;
   const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
   const T* kp[TK];
   const T* vp[TK];
-  const T* next_kp[TK];
-  const T* next_vp[TK];
-  chunk_rows(a, s, h, 0, TK, key_end, next_kp, next_vp);
-  for (int j = 0; j < TK; j++) {  // the first tile: the item's later tiles are fetched a tile ahead
-    prefetch_row(next_kp[j], D);
-    prefetch_row(next_vp[j], D);
+  const T* next_kp[MAX_DOT_ROWS][TK];
+  const T* next_vp[MAX_DOT_ROWS][TK];
+  for (int hh = 0; hh < heads; hh++) {
+    chunk_rows(a, s, it.kv_head + hh, 0, TK, key_end, next_kp[hh], next_vp[hh]);
+    for (int j = 0; j < TK; j++) {  // the first tile: the item's later tiles are fetched a tile ahead
+      prefetch_row(next_kp[hh][j], D);
+      prefetch_row(next_vp[hh][j], D);
+    }
   }
   for (int j0 = 0; j0 < key_end; j0 += TK) {
-    for (int j = 0; j < TK; j++) {
-      kp[j] = next_kp[j];
-      vp[j] = next_vp[j];
-    }
     const int nk = key_end - j0 < TK ? key_end - j0 : TK;  // keys from nk on read the row of zeros
     const bool more = j0 + TK < key_end;
-    if (more) chunk_rows(a, s, h, j0 + TK, TK, key_end, next_kp, next_vp);
-    for (int b = 0, r0 = 0; b < num_blocks; b++) {
-      const int nr = (rows - r0) / (num_blocks - b) + ((rows - r0) % (num_blocks - b) != 0);
-      const T* const* prefetch_keys = more ? next_kp : nullptr;
-      const T* const* prefetch_values = more ? next_vp : nullptr;
-      const float (*rows_f)[MAX_HEAD_DIM] = pairs ? nullptr : qs + r0;
-      const unsigned short (*rows_b)[MAX_HEAD_DIM] = pairs ? qb + r0 : nullptr;
-      switch (nr) {
-        case 1:
-          dot_tile<T, HEAD_DIM, 1>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
-          break;
-        case 2:
-          dot_tile<T, HEAD_DIM, 2>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
-          break;
-        case 3:
-          dot_tile<T, HEAD_DIM, 3>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
-          break;
-        default:
-          if constexpr (DOT_ROW_BLOCK >= 4)
-            dot_tile<T, HEAD_DIM, 4>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+    for (int hh = 0; hh < heads; hh++) {
+      for (int j = 0; j < TK; j++) {
+        kp[j] = next_kp[hh][j];
+        vp[j] = next_vp[hh][j];
       }
-      r0 += nr;
+      if (more) chunk_rows(a, s, it.kv_head + hh, j0 + TK, TK, key_end, next_kp[hh], next_vp[hh]);
+      for (int b = 0, i0 = 0; b < num_blocks; b++) {
+        const int nr = (rows - i0) / (num_blocks - b) + ((rows - i0) % (num_blocks - b) != 0);
+        const int r0 = hh * rows + i0;
+        const T* const* prefetch_keys = more ? next_kp[hh] : nullptr;
+        const T* const* prefetch_values = more ? next_vp[hh] : nullptr;
+        const float (*rows_f)[MAX_HEAD_DIM] = pairs ? nullptr : qs + r0;
+        const unsigned short (*rows_b)[MAX_HEAD_DIM] = pairs ? qb + r0 : nullptr;
+        switch (nr) {
+          case 1:
+            dot_tile<T, HEAD_DIM, 1>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            break;
+          case 2:
+            dot_tile<T, HEAD_DIM, 2>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            break;
+          case 3:
+            dot_tile<T, HEAD_DIM, 3>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            break;
+          default:
+            if constexpr (DOT_ROW_BLOCK >= 4)
+              dot_tile<T, HEAD_DIM, 4>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+        }
+        i0 += nr;
+      }
     }
   }
   T* out = (T*)a.out;
-  for (int r = 0; r < rows; r++) {
-    const int row = it.row0 + r;
-    T* dst = out + (long)(q0 + row / G) * a.out_stride + (h * G + row % G) * D;
-    const float inv = 1.f / l[r];
-    for (int d = 0; d < D; d++) from_float(acc[r][d] * inv, dst + d);
-  }
+  for (int hh = 0; hh < heads; hh++)
+    for (int i = 0; i < rows; i++) {
+      const int r = hh * rows + i, row = it.row0 + i;
+      T* dst = out + (long)(q0 + row / G) * a.out_stride + ((it.kv_head + hh) * G + row % G) * D;
+      const float inv = 1.f / l[r];
+#if defined(PAGED_BF16_DOT)
+      if (pairs) {
+        for (int slot = 0; slot < D; slot++) from_float(acc[r][slot] * inv, dst + pair_dim(slot));
+        continue;
+      }
+#endif
+      for (int d = 0; d < D; d++) from_float(acc[r][d] * inv, dst + d);
+    }
 }
 
 // out[jp][d] holds the bfloat16 values of keys 2jp (low half) and 2jp + 1 (high half) at head_dim position d,
