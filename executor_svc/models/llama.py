@@ -163,9 +163,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused_ops is not None and gate_up.dtype in FUSED_DTYPES:
-            # In place, over the gate half (each element read before it is written): no new [T, I] tensor
-            # to fault in, and its lines are the ones just read. The down projection reads the strided rows.
-            activated = gate_up[:, : self.intermediate_size]
+            # The split product reads strided rows, so the result goes over the gate half in place (each
+            # element read before it is written): no new [T, I] tensor to fault in, and its lines are the ones
+            # just read. oneDNN's packed product would copy strided rows to a dense tensor first: it gets one.
+            if self.down_proj.packed is not None:
+                activated = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+            else:
+                activated = gate_up[:, : self.intermediate_size]
             self.fused_ops.silu_mul(activated, gate_up)
             return self.down_proj(activated)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
