@@ -249,14 +249,20 @@ static inline VS sum_keys(V* p) {
 
 #if defined(PAGED_BF16_DOT)
 // The dot-product path's accumulators, bfloat16 through dot_pairs, hold head_dim in the order the pairs of
-// values come out of vpunpck{l,h}wd: within each 32 positions, lane i of the low half is position
-// 8 (i / 4) + i % 4, of the high half that plus 4. pair_dim maps a slot of acc to its head_dim position.
-static inline int pair_dim(int slot) {
-  const int i = slot % 16;
-  return slot / 32 * 32 + 8 * (i / 4) + 4 * (slot / 16 % 2) + i % 4;
+// values come out of vpunpck{l,h}wd: within each 32 positions, 128-bit lane k of the low half holds positions
+// 8k to 8k + 3 and of the high half 8k + 4 to 8k + 7. unpair_row scales such a row by inv and stores it in
+// head_dim order.
+static inline void unpair_row(const float* acc, float inv, int D, unsigned short* dst) {
+  const VI first = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  const VI second = first + 8;
+  for (int c = 0; c < D; c += 32) {
+    const __m512 lo = (__m512)(load(acc + c) * inv), hi = (__m512)(load(acc + c + 16) * inv);
+    store(dst + c, (V)_mm512_permutex2var_ps(lo, (__m512i)first, hi));
+    store(dst + c + 16, (V)_mm512_permutex2var_ps(lo, (__m512i)second, hi));
+  }
 }
 
-// acc (NR rows, in pair_dim's order) rescaled by alpha plus the tile's nk softmax weights (pw, rounded to
+// acc (NR rows, in unpair_row's order) rescaled by alpha plus the tile's nk softmax weights (pw, rounded to
 // bfloat16 already) applied to its values, two keys per dot_pairs: keys 2jp and 2jp + 1 interleaved along
 // head_dim, against their weights paired the same way, as apply_value_pairs pairs them for the row-vector
 // path (the same arithmetic in the same order). With next_vp, the next tile's values are fetched into L2.
@@ -508,10 +514,11 @@ static void attend_dot(const Args& a, const WorkItem& it) {
       T* dst = out + (long)(q0 + row / G) * a.out_stride + ((it.kv_head + hh) * G + row % G) * D;
       const float inv = 1.f / l[r];
 #if defined(PAGED_BF16_DOT)
-      if (pairs) {
-        for (int slot = 0; slot < D; slot++) from_float(acc[r][slot] * inv, dst + pair_dim(slot));
-        continue;
-      }
+      if constexpr (pairs_path<T>())
+        if (pairs) {
+          unpair_row(acc[r], inv, D, (unsigned short*)dst);
+          continue;
+        }
 #endif
       for (int d = 0; d < D; d++) from_float(acc[r][d] * inv, dst + d);
     }
