@@ -1,8 +1,8 @@
 """CPU paged attention: the C++ kernels (reading K/V through the block tables in place) vs the torch backend
 (gathering each request's blocks into a dense copy, then matmuls), side by side in one run, both including
 the step's cache write. SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), blocks of
-16 tokens on a shuffled pool. Writes bench/results/attention.json; `paged_vs_gather` is the worse of the two
-cases' time ratios (kernel / gather path).
+16 tokens on a shuffled pool in huge pages, as the executor allocates it. Writes bench/results/attention.json;
+`paged_vs_gather` is the worse of the two cases' time ratios (kernel / gather path).
 
     python bench/attention.py [--dtype float32] [--repeats 20] [--isa auto]
 
@@ -12,6 +12,7 @@ MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 fo
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ from bench.common import write_result  # noqa: E402
 from executor_svc.attention.cpu_backend import CpuPagedAttention, load_extension  # noqa: E402
 from executor_svc.attention.layout import BatchLayout  # noqa: E402
 from executor_svc.attention.torch_backend import TorchPagedAttention  # noqa: E402
+from executor_svc.kv_cache import huge_page_zeros  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -38,7 +40,11 @@ def make_case(query_lens: list[int], context_lens: list[int], dtype: torch.dtype
         tables.append(pool[taken : taken + n])
         taken += n
     shape = (sum(needed), NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    caches = (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+    # K and V in one pool on huge pages, as the executor allocates its KV cache (executor_svc/kv_cache.py).
+    numel = math.prod(shape)
+    pool_memory = huge_page_zeros(2 * numel * dtype.itemsize).view(dtype)
+    caches = tuple(pool_memory[i * numel:(i + 1) * numel].view(shape).copy_(torch.randn(shape, generator=gen))
+                   for i in range(2))
     slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
              for n, c, t in zip(query_lens, context_lens, tables) for p in range(c - n, c)]
     qkv = torch.randn(len(slots), (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
