@@ -583,6 +583,26 @@ static inline void apply_value_pairs(int D, int nk, const float (*pw)[RV * W], c
 }
 #endif
 
+// p[0..W) as a W x W matrix of 32-bit lanes, transposed in place: log2(W) stages, each pairing vectors S apart
+// (S = W/2 down to 1) and swapping the lanes whose S bit differs between them.
+template <int S, int... L>
+struct TransposeStage {
+  static inline void apply(V& a, V& b) {
+    const V lo = __builtin_shufflevector(a, b, ((L & S) ? L - S + W : L)...);
+    const V hi = __builtin_shufflevector(a, b, ((L & S) ? L + W : L + S)...);
+    a = lo;
+    b = hi;
+  }
+};
+template <int S>
+static inline void transpose_square(V* p) {
+  if constexpr (S >= 1) {
+    for (int i = 0; i < W; i++)
+      if (!(i & S)) TransposeStage<S, __integer_pack(W)...>::apply(p[i], p[i | S]);
+    transpose_square<S / 2>(p);
+  }
+}
+
 // Many query rows (prefill chunks): rows are vectorised instead, ROW_VECS * W of them per item, so each key
 // element is broadcast against a vector of query rows (a small GEMM with the queries transposed once) and
 // the online softmax runs across rows, with no horizontal sums. A tile's scores are computed ROWS_KEY_CHUNK
@@ -609,21 +629,38 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   alignas(64) unsigned vpair[PAIRS ? TK / 2 : 1][PAIRS ? MAX_HEAD_DIM : 1];
   alignas(64) unsigned ppair[PAIRS ? TK / 2 : 1][RT];
   const int rows = it.rows;
-  for (int i = 0; i < RT; i++) {
-    const int row = it.row0 + i;
-    const T* src = q + (long)(q0 + row / G) * a.query_stride + (h * G + row % G) * D;
-    // Padding rows see every key (no empty softmax) and are never written.
-    if constexpr (PAIRS) {
-      for (int d = 0; d < D; d += 2) {
+  // The queries transposed W rows by W positions at a time (bfloat16 pairs: W pairs, as 32-bit lanes). Padding
+  // rows are zeros, see every key (no empty softmax) and are never written.
+  const auto query_row = [&](int i) { return q + (long)(q0 + (it.row0 + i) / G) * a.query_stride + (h * G + (it.row0 + i) % G) * D; };
+  constexpr int STEP = PAIRS ? 2 * W : W;  // head_dim positions a transpose takes
+  for (int v = 0; v < RV; v++)
+    for (int d0 = 0; d0 + STEP <= D; d0 += STEP) {
+      V t[W];
+      for (int j = 0; j < W; j++) {
+        const int i = v * W + j;
+        if (i >= rows)
+          t[j] = V{};
+        else if constexpr (PAIRS)
+          t[j] = *(const V*)(query_row(i) + d0);  // the bits of W pairs
+        else
+          t[j] = load(query_row(i) + d0) * a.scale;
+      }
+      transpose_square<W / 2>(t);
+      for (int k = 0; k < W; k++) {
+        if constexpr (PAIRS)
+          store((float*)&qp[d0 / 2 + k][v * W], t[k]);
+        else
+          store(&qt[d0 + k][v * W], t[k]);
+      }
+    }
+  if constexpr (PAIRS)  // head dims that are not a multiple of 2W (D is a multiple of 16): the last pairs
+    for (int d = D / STEP * STEP; d < D; d += 2)
+      for (int i = 0; i < RT; i++) {
         unsigned pair = 0;
-        if (i < rows) __builtin_memcpy(&pair, src + d, 4);
+        if (i < rows) __builtin_memcpy(&pair, query_row(i) + d, 4);
         qp[d / 2][i] = pair;
       }
-    } else {
-      for (int d = 0; d < D; d++) qt[d][i] = i < rows ? to_float(src[d]) * a.scale : 0.f;
-    }
-    posf[i] = i < rows ? (float)(first_pos + row / G) : 3e38f;
-  }
+  for (int i = 0; i < RT; i++) posf[i] = i < rows ? (float)(first_pos + (it.row0 + i) / G) : 3e38f;
   for (int d = 0; d < D; d++)
     for (int i = 0; i < RT; i++) acc[d][i] = 0.f;
   V pos[RV], m[RV], l[RV];
@@ -727,10 +764,17 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   alignas(64) float inv[RT];
   for (int v = 0; v < RV; v++) store(&inv[v * W], 1.f / l[v]);
   T* out = (T*)a.out;
-  for (int i = 0; i < rows; i++) {
-    const int row = it.row0 + i;
-    T* dst = out + (long)(q0 + row / G) * a.out_stride + (h * G + row % G) * D;
-    for (int d = 0; d < D; d++) from_float(acc[d][i] * inv[i], dst + d);
+  for (int v = 0; v < RV && v * W < rows; v++) {
+    const V scale = load(&inv[v * W]);
+    for (int d0 = 0; d0 < D; d0 += W) {
+      V t[W];
+      for (int k = 0; k < W; k++) t[k] = load(&acc[d0 + k][v * W]) * scale;
+      transpose_square<W / 2>(t);
+      for (int j = 0; j < W && v * W + j < rows; j++) {
+        const int row = it.row0 + v * W + j;
+        store(out + (long)(q0 + row / G) * a.out_stride + (h * G + row % G) * D + d0, t[j]);
+      }
+    }
   }
 }
 
