@@ -258,12 +258,12 @@ def decode_floor_bytes(runner, context_lens) -> tuple[int, int]:
     parameter once (a tied embedding counts once, as the LM head; an untied one is only gathered from, a
     row per token, so it is left out) and the K and V of every context position of every layer."""
     model, config = runner.model, runner.config
-    element = model.embed_tokens.weight.element_size()
-    weight = model.weight_numel() * element
+    weight_element = model.embed_tokens.weight.element_size()
+    weight = model.weight_numel() * weight_element
     if model.lm_head is not None:
-        weight -= model.embed_tokens.weight.numel() * element
-    element = runner.kv_caches[0][0].element_size()
-    kv = int(sum(context_lens)) * config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+        weight -= model.embed_tokens.weight.numel() * weight_element
+    kv_element = runner.kv_caches[0][0].element_size()
+    kv = int(sum(context_lens)) * config.num_layers * 2 * config.num_kv_heads * config.head_dim * kv_element
     return weight, kv
 
 

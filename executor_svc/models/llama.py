@@ -71,6 +71,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.fused_ops, self.packed)
 
+    @property
+    def reads_strided_rows(self) -> bool:
+        """Whether a product over strided rows reads them in place (oneDNN's packed one copies them first)."""
+        return self.packed is None
+
     def pack(self) -> bool:
         """Moves the weight into oneDNN's layout where pack_for_onednn can (the plain copy is let go)."""
         self.packed = pack_for_onednn(self.weight, self.bias)
@@ -163,13 +168,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused_ops is not None and gate_up.dtype in FUSED_DTYPES:
-            # The split product reads strided rows, so the result goes over the gate half in place (each
+            # Where the down projection reads strided rows in place, the result goes over the gate half (each
             # element read before it is written): no new [T, I] tensor to fault in, and its lines are the ones
-            # just read. oneDNN's packed product would copy strided rows to a dense tensor first: it gets one.
-            if self.down_proj.packed is not None:
-                activated = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
-            else:
+            # just read. Otherwise it gets a dense tensor rather than a copy made inside the product.
+            if self.down_proj.reads_strided_rows:
                 activated = gate_up[:, : self.intermediate_size]
+            else:
+                activated = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
             self.fused_ops.silu_mul(activated, gate_up)
             return self.down_proj(activated)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
