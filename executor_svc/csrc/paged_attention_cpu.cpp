@@ -241,7 +241,9 @@ void silu_mul_for(T* o, long os, const T* g, long gs, long T_rows, int I) {
   // A decode step's few rows stay on one thread, where waking the others would cost more.
   at::parallel_for(0, T_rows, std::max<long>(1, (1 << 15) / std::max(I, 1)), [&](int64_t begin, int64_t end) {
 #if defined(__x86_64__)
-    if (isa == Isa::avx512 || isa == Isa::avx512_bf16)
+    if (isa == Isa::avx512_bf16)
+      isa_avx512_bf16::silu_mul_rows(g, gs, o, os, begin, end, I);
+    else if (isa == Isa::avx512)
       isa_avx512::silu_mul_rows(g, gs, o, os, begin, end, I);
     else if (isa == Isa::avx2)
       isa_avx2::silu_mul_rows(g, gs, o, os, begin, end, I);
@@ -330,7 +332,9 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
 // fused_cpu.cpp's bfloat16 loops, on this CPU's widest vectors (declared there).
 #if defined(__x86_64__)
 #define PAGED_FOR_ISA(call)                                                   \
-  if (current_isa == Isa::avx512 || current_isa == Isa::avx512_bf16)         \
+  if (current_isa == Isa::avx512_bf16)                                        \
+    isa_avx512_bf16::call;                                                    \
+  else if (current_isa == Isa::avx512)                                        \
     isa_avx512::call;                                                         \
   else if (current_isa == Isa::avx2)                                          \
     isa_avx2::call;                                                           \

@@ -33,9 +33,20 @@ static inline VU bf16_bits(V v) {
   const VU rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
   return (u & 0x7fffffffu) > 0x7f800000u ? VU{} + 0x7fc00000u : rounded;
 }
-static inline void store(unsigned short* p, V v) { *(VH*)p = __builtin_convertvector(bf16_bits(v) >> 16, VH); }
+#if defined(PAGED_BF16_DOT)
+// bfloat16(v) in one VCVTNEPS2BF16, which rounds to nearest even as torch does but flushes denormals to zero and
+// keeps a NaN's sign and payload: a vector holding either (rare) takes the integer rounding instead.
+static inline VH to_bf16(V v) {
+  if (__builtin_expect(_mm512_fpclass_ps_mask((__m512)v, 0x01 | 0x20 | 0x80) != 0, 0))  // NaN or denormal lanes
+    return __builtin_convertvector(bf16_bits(v) >> 16, VH);
+  return (VH)_mm512_cvtneps_pbh((__m512)v);
+}
+#else
+static inline VH to_bf16(V v) { return __builtin_convertvector(bf16_bits(v) >> 16, VH); }
+#endif
 // v rounded to bfloat16, as float32 values whose low halves are zero.
 static inline V round_bf16(V v) { return (V)bf16_bits(v); }
+static inline void store(unsigned short* p, V v) { *(VH*)p = to_bf16(v); }
 
 #if defined(PAGED_BF16_DOT)
 typedef unsigned VUA __attribute__((vector_size(W * 4), aligned(2)));  // bfloat16 pairs at any even address
@@ -135,14 +146,32 @@ static inline V transpose_sum(V* p) {
 }
 static inline float hmax(V v) { return hmax_n<W>(v); }
 
+// The exps' steps, one instruction each with AVX-512 (VMAXPS/VMINPS, VRNDSCALEPS, VSCALEFPS), bit for bit what
+// the generic code gives: max(lo, x) and min(hi, x) keep a NaN x, and p * 2^n is exact for the n the exps pass.
+#if defined(PAGED_AVX512)
+static inline V clamp_below(V x, float lo) { return (V)_mm512_max_ps((__m512)splat(lo), (__m512)x); }
+static inline V clamp_above(V x, float hi) { return (V)_mm512_min_ps((__m512)splat(hi), (__m512)x); }
+static inline V floor_of(V x) { return (V)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline V nearest_of(V x) {
+  return (V)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline V times_pow2(V p, V n) { return (V)_mm512_scalef_ps((__m512)p, (__m512)n); }
+#else
+static inline V clamp_below(V x, float lo) { return x < splat(lo) ? splat(lo) : x; }
+static inline V clamp_above(V x, float hi) { return x > splat(hi) ? splat(hi) : x; }
+static inline V floor_of(V x) {
+  const V n = __builtin_convertvector(__builtin_convertvector(x, VI), V);
+  return n - __builtin_convertvector(-(x < n), V);  // truncation rounded negatives up
+}
+static inline V nearest_of(V x) { return (x + 12582912.0f) - 12582912.0f; }  // adding 1.5 x 2^23 drops the fraction
+static inline V times_pow2(V p, V n) { return p * (V)((__builtin_convertvector(n, VI) + 127) << 23); }
+#endif
+
 // exp(x) to within 2 ulp for x in [-87, 88] (Cephes' polynomial); exp(-inf) comes out near 1e-38, so
 // callers zero masked entries themselves.
 static inline V vexp(V x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  V fx = x * 1.44269504088896341f + 0.5f;
-  V n = __builtin_convertvector(__builtin_convertvector(fx, VI), V);
-  n = n - __builtin_convertvector(-(fx < n), V);  // truncation rounded negatives up: floor
+  x = clamp_above(clamp_below(x, -87.0f), 88.0f);
+  const V n = floor_of(x * 1.44269504088896341f + 0.5f);
   V r = x - n * 0.693359375f + n * 2.12194440e-4f;
   V p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
@@ -151,17 +180,15 @@ static inline V vexp(V x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  VI e = (__builtin_convertvector(n, VI) + 127) << 23;
-  return p * (V)e;
+  return times_pow2(p, n);
 }
 
 // exp(x) for x <= 0 to within 4e-6 relative (7e-7 above -10), in base 2 with a degree-5 polynomial of the
 // fraction: cheaper than vexp, for the softmax weights that the bfloat16 pairs round afterwards (both paths use
 // it there, so that they agree). Below -87 it gives about 1e-38, as vexp does.
 static inline V vexp_nonpositive(V x) {
-  V t = x * 1.44269504088896341f;
-  t = t < splat(-126.0f) ? splat(-126.0f) : t;
-  const V n = (t + 12582912.0f) - 12582912.0f;  // rounded to an integer: adding 1.5 x 2^23 drops the fraction
+  const V t = clamp_below(x * 1.44269504088896341f, -126.0f);
+  const V n = nearest_of(t);
   const V f = t - n;
   V p = splat(1.3266975e-3f);
   p = p * f + 9.6754646e-3f;
@@ -169,8 +196,7 @@ static inline V vexp_nonpositive(V x) {
   p = p * f + 2.4022122e-1f;
   p = p * f + 6.9314694e-1f;
   p = p * f + 1.0000001f;
-  const VI e = (__builtin_convertvector(n, VI) + 127) << 23;
-  return p * (V)e;
+  return times_pow2(p, n);
 }
 
 // Brings a K or V row into L2 (see dot_tile).

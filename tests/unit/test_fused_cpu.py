@@ -52,6 +52,30 @@ def test_rotary_equals_torch_bit_for_bit_in_place_in_the_projection_output(ops, 
     assert torch.equal(v, v_before)  # the rest of the row is left alone
 
 
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_bfloat16_denormal_and_nan_results_round_as_torch_rounds_them(ops, isa, num_tokens):
+    """A vector of bfloat16 results that holds denormals or NaNs, which the AVX512-BF16 conversion would flush or
+    keep the payload of, is rounded as torch rounds it: the rotary embedding and the skip connection's sum bit
+    for bit, NaN where torch gives NaN."""
+    torch.manual_seed(num_tokens)
+    heads, head_dim = 3, 64
+    width = 3 * heads * head_dim
+    tiny = torch.where(torch.rand(num_tokens, width) < 0.5, 1e-39, 1.0)  # half the lanes in bfloat16's denormals
+    qkv = (torch.randn(num_tokens, width) * tiny).bfloat16()
+    qkv[:, 5] = qkv[:, heads * head_dim + 70] = float("nan")
+    table = torch.randn(num_tokens, 1, head_dim).bfloat16(), torch.randn(num_tokens, 1, head_dim).bfloat16()
+    q, k, _ = qkv.split(heads * head_dim, dim=-1)
+    expected = [_apply_rotary(t.view(num_tokens, heads, head_dim), *table).reshape(num_tokens, -1) for t in (q, k)]
+    ops.rotary(q, k, *table, head_dim)
+    for got, want in zip((q, k), expected):
+        assert ((got != 0) & (got.abs() < 2 ** -126)).any()  # denormal results, not flushed
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    x, residual = qkv[:, :576], (torch.randn(num_tokens, 576) * tiny[:, :576]).bfloat16()
+    summed = residual + x
+    ops.add_rms_norm(torch.empty_like(residual), residual, x, torch.ones(576, dtype=torch.bfloat16), 1e-5)
+    assert torch.equal(residual.isnan(), summed.isnan()) and torch.equal(residual.nan_to_num(), summed.nan_to_num())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 576), (64, 576), (2048, 576), (5, 100), (3, 7)])
 def test_rms_norm_matches_torch_to_rounding(ops, isa, num_tokens, hidden, dtype):
