@@ -140,13 +140,17 @@ class ModelConfig(_Config):
         None, "decode batch sizes to capture a CUDA graph for (default: 1, 2, 4, ... 256 up to max_num_seqs)",
         min=1)
 
+    def resolved_device(self) -> str:
+        """The device, `auto` made concrete for this machine."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def resolved(self) -> "ModelConfig":
         """This config with `auto` device and dtype made concrete for this machine."""
-        device = self.device
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = self.resolved_device()
         dtype = self.dtype
         if dtype == "auto":
             # bfloat16 runs the CUDA kernels on tensor cores, and the CPU's linear layers up to 4x faster where

@@ -1,8 +1,8 @@
 """The offline engine: the scheduler, block manager and model runner of the services, in one process.
 
 The scheduler's engine loop drives the steps on the caller's thread. With async_scheduling (the default)
-the model runs each step on a worker thread of its own while the loop plans the next one, as the services
-do; without, each step runs to its end before the next is planned.
+the model is loaded on a worker thread of its own and runs each step there while the loop plans the next one,
+as the services do; without, each step runs to its end before the next is planned.
 
     from pagedserve import LLM, SamplingParams
     llm = LLM()                      # the default model (SmolLM2-135M-Instruct) on the CPU
@@ -59,16 +59,23 @@ class LLM:
             "LLM", (ModelConfig, CacheConfig, SchedulerConfig), model=model, **options
         )
         model_config, cache_config = self.config.model_config, self.config.cache_config
-        self.runner = build_model_runner(model_config, cache_config, self.config.scheduler_config)
+        async_scheduling = self.config.scheduler_config.async_scheduling
+        if async_scheduling:
+            # One thread loads the model and runs every step. torch's OpenMP pool belongs to the thread that uses
+            # it: a second pool (the loading thread's) makes libgomp count more threads than cores, and its
+            # workers then spin only briefly between operators, sleeping and being woken around each one.
+            device = torch.device(model_config.resolved_device())
+            initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+            self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-steps", initializer=initializer)
+            self.runner = self._steps.submit(
+                build_model_runner, model_config, cache_config, self.config.scheduler_config).result()
+        else:
+            self.runner = build_model_runner(model_config, cache_config, self.config.scheduler_config)
         # The cores meet here as they do in the services: through what the executor reports.
         info = executor_info(self.runner)
         self.block_manager = build_block_manager(cache_config, info)
         self.scheduler = build_scheduler(self.config.scheduler_config, info, one_executor(self.block_manager.step))
-        async_scheduling = self.config.scheduler_config.async_scheduling
         if async_scheduling:
-            # One thread runs every step (torch's OpenMP pool belongs to the thread that uses it).
-            initializer = (lambda: torch.cuda.set_device(self.runner.device)) if self.runner.device.type == "cuda" else None
-            self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-steps", initializer=initializer)
             submit = lambda step: self._steps.submit(self.runner.execute, step)  # noqa: E731
         else:
             submit = lambda step: CompletedCall(self.runner.execute, step)  # noqa: E731

@@ -361,3 +361,31 @@ def test_three_steps_out_plan_most_decode_steps_without_calling_the_block_manage
     three = engines[3]
     assert three.scheduler.num_calls_skipped > three.loop.num_steps / 2, (three.scheduler.num_calls_skipped,
                                                                         three.loop.num_steps)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_offline_engine_loads_its_model_on_the_thread_that_runs_its_steps(tiny_llama_dir, monkeypatch,
+                                                                               async_scheduling):
+    """torch's OpenMP pool belongs to the thread that uses it: a model loaded on one thread and run on another
+    leaves two pools, and libgomp, counting more threads than cores, puts the workers to sleep between operators."""
+    import executor_svc.model_runner as model_runner
+    from pagedserve import LLM
+
+    loaded_on, stepped_on = [], set()
+    init, execute = model_runner.ModelRunner.__init__, model_runner.ModelRunner.execute
+
+    def recording_init(self, *args, **kwargs):
+        loaded_on.append(threading.get_ident())
+        init(self, *args, **kwargs)
+
+    def recording_execute(self, step):
+        stepped_on.add(threading.get_ident())
+        return execute(self, step)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", recording_init)
+    monkeypatch.setattr(model_runner.ModelRunner, "execute", recording_execute)
+    llm = LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=4 << 20, async_scheduling=async_scheduling)
+    [result] = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(result.token_ids) == 4
+    assert stepped_on == set(loaded_on) and len(loaded_on) == 1
+    assert (loaded_on[0] == threading.get_ident()) == (not async_scheduling)
