@@ -16,6 +16,7 @@ import asyncio
 import gc
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -164,7 +165,11 @@ def main() -> None:
     parser.add_argument("--name", default="throughput", help="result file name under bench/results/")
     args = parser.parse_args()
     requested_dtype = args.dtype
-    args.dtype = ModelConfig(dtype=args.dtype, device=args.device).resolved().dtype  # the same for every system
+    # The same dtype for every system. `auto` times the CPU's products, on a thread of its own: torch's OpenMP
+    # pool goes with that thread, and the engine's (on the thread that loads its model) is then the process's
+    # only one, as in the executor service.
+    with ThreadPoolExecutor(max_workers=1) as resolver:
+        args.dtype = resolver.submit(lambda: ModelConfig(dtype=args.dtype, device=args.device).resolved().dtype).result()
 
     prompts = workload_w(args.num_requests)
     engine, llm = run_engine(args, prompts)
