@@ -80,12 +80,14 @@ constexpr int DOT_ROW_BLOCK = 4;
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#define PAGED_AVX2 1
 namespace isa_avx2 {
 constexpr int W = 8;
 constexpr int ROWS_KEY_CHUNK = 4;  // 16 vector registers: more accumulators would spill
 constexpr int DOT_ROW_BLOCK = 3;
 #include "paged_attention_impl.h"
 }  // namespace isa_avx2
+#undef PAGED_AVX2
 #pragma GCC pop_options
 #endif
 

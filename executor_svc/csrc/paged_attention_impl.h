@@ -3,7 +3,7 @@
 // (keys per step of the row-vector path, as many as the registers hold) and DOT_ROW_BLOCK (query rows per
 // step of the dot-product path, 1 to 4) defined: AVX-512 (W = 16) with and without AVX512-BF16, AVX2 + FMA
 // (W = 8) and the baseline ISA (W = 4). It uses GCC vector extensions and builtins, and nothing from a header
-// but the AVX-512 intrinsics (under PAGED_AVX512 and PAGED_BF16_DOT), so that no code from a standard
+// but the intrinsics (under PAGED_AVX512, PAGED_BF16_DOT and PAGED_AVX2), so that no code from a standard
 // template gets compiled for a wider ISA than the one it is called on.
 //
 // Cache layout (HND): [num_blocks, num_kv_heads, block_size, head_dim]; position p of a sequence lives in
@@ -146,8 +146,9 @@ static inline V transpose_sum(V* p) {
 }
 static inline float hmax(V v) { return hmax_n<W>(v); }
 
-// The exps' steps, one instruction each with AVX-512 (VMAXPS/VMINPS, VRNDSCALEPS, VSCALEFPS), bit for bit what
-// the generic code gives: max(lo, x) and min(hi, x) keep a NaN x, and p * 2^n is exact for the n the exps pass.
+// The exps' steps, one instruction each with AVX-512 (VMAXPS/VMINPS, VRNDSCALEPS, VSCALEFPS) and all but the
+// last with AVX2 (VROUNDPS), bit for bit what the generic code gives: max(lo, x) and min(hi, x) keep a NaN x, and
+// p * 2^n is exact for the n the exps pass.
 #if defined(PAGED_AVX512)
 static inline V clamp_below(V x, float lo) { return (V)_mm512_max_ps((__m512)splat(lo), (__m512)x); }
 static inline V clamp_above(V x, float hi) { return (V)_mm512_min_ps((__m512)splat(hi), (__m512)x); }
@@ -157,6 +158,12 @@ static inline V nearest_of(V x) {
 }
 static inline V times_pow2(V p, V n) { return (V)_mm512_scalef_ps((__m512)p, (__m512)n); }
 #else
+#if defined(PAGED_AVX2)
+static inline V clamp_below(V x, float lo) { return (V)_mm256_max_ps((__m256)splat(lo), (__m256)x); }
+static inline V clamp_above(V x, float hi) { return (V)_mm256_min_ps((__m256)splat(hi), (__m256)x); }
+static inline V floor_of(V x) { return (V)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+static inline V nearest_of(V x) { return (V)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+#else
 static inline V clamp_below(V x, float lo) { return x < splat(lo) ? splat(lo) : x; }
 static inline V clamp_above(V x, float hi) { return x > splat(hi) ? splat(hi) : x; }
 static inline V floor_of(V x) {
@@ -164,6 +171,7 @@ static inline V floor_of(V x) {
   return n - __builtin_convertvector(-(x < n), V);  // truncation rounded negatives up
 }
 static inline V nearest_of(V x) { return (x + 12582912.0f) - 12582912.0f; }  // adding 1.5 x 2^23 drops the fraction
+#endif
 static inline V times_pow2(V p, V n) { return p * (V)((__builtin_convertvector(n, VI) + 127) << 23); }
 #endif
 
