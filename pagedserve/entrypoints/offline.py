@@ -64,8 +64,10 @@ class LLM:
             # One thread loads the model and runs every step. torch's OpenMP pool belongs to the thread that uses
             # it: a second pool (the loading thread's) makes libgomp count more threads than cores, and its
             # workers then spin only briefly between operators, sleeping and being woken around each one.
+            # A device named by index is made the thread's current one; plain "cuda" is already (device 0).
             device = torch.device(model_config.resolved_device())
-            initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+            by_index = device.type == "cuda" and device.index is not None
+            initializer = (lambda: torch.cuda.set_device(device)) if by_index else None
             self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-steps", initializer=initializer)
             self.runner = self._steps.submit(
                 build_model_runner, model_config, cache_config, self.config.scheduler_config).result()
