@@ -169,7 +169,8 @@ def main() -> None:
     # pool goes with that thread, and the engine's (on the thread that loads its model) is then the process's
     # only one, as in the executor service.
     with ThreadPoolExecutor(max_workers=1) as resolver:
-        args.dtype = resolver.submit(lambda: ModelConfig(dtype=args.dtype, device=args.device).resolved().dtype).result()
+        resolved = resolver.submit(ModelConfig(dtype=args.dtype, device=args.device).resolved).result()
+    args.dtype = resolved.dtype
 
     prompts = workload_w(args.num_requests)
     engine, llm = run_engine(args, prompts)

@@ -665,7 +665,10 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   const int rows = it.rows;
   // The queries transposed W rows by W positions at a time (bfloat16 pairs: W pairs, as 32-bit lanes). Padding
   // rows are zeros, see every key (no empty softmax) and are never written.
-  const auto query_row = [&](int i) { return q + (long)(q0 + (it.row0 + i) / G) * a.query_stride + (h * G + (it.row0 + i) % G) * D; };
+  const auto query_row = [&](int i) {
+    const int row = it.row0 + i;
+    return q + (long)(q0 + row / G) * a.query_stride + (h * G + row % G) * D;
+  };
   constexpr int STEP = PAIRS ? 2 * W : W;  // head_dim positions a transpose takes
   for (int v = 0; v < RV; v++)
     for (int d0 = 0; d0 + STEP <= D; d0 += STEP) {
