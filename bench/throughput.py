@@ -5,9 +5,12 @@ All run the same model, dtype and prompts, side by side in one run; the ratios a
 times on shared machines drift). The bound (`stack_vs_gemm_bound`, the headline) times the linear layers
 alone (bench/roofline.py's measure) over W's tokens: the prompt tokens in chunks of the token budget with
 the LM head on one row per request, then W's decode steps at the largest batch the engine reached; it is
-timed after each run, and each part's fastest counts. Writes bench/results/throughput.json.
+timed after each run, and each part's fastest counts. With --rounds N every system runs N times, the rounds
+interleaved, and each system's fastest run counts, as the bound's fastest timing does. Writes
+bench/results/throughput.json.
 
-    python bench/throughput.py [--dtype float32|bfloat16|auto] [--num-requests 64] [--skip-hf] [--skip-stack]
+    python bench/throughput.py [--dtype float32|bfloat16|auto] [--num-requests 64] [--rounds 1] [--skip-hf]
+                               [--skip-stack]
 """
 from __future__ import annotations
 
@@ -149,6 +152,11 @@ def run_hf(args, prompts, model_dir) -> dict:
     }
 
 
+def fastest(runs: list[dict]) -> dict:
+    """A system's fastest run, with every round's seconds beside it."""
+    return {**min(runs, key=lambda run: run["seconds"]), "seconds_each_round": [run["seconds"] for run in runs]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -160,6 +168,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--kv-cache-memory", type=int, default=2 << 30)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every system, interleaved; each system's fastest counts")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline (no *_vs_hf ratio)")
     parser.add_argument("--skip-stack", action="store_true", help="no run through the four services")
     parser.add_argument("--name", default="throughput", help="result file name under bench/results/")
@@ -173,28 +183,38 @@ def main() -> None:
     args.dtype = resolved.dtype
 
     prompts = workload_w(args.num_requests)
-    engine, llm = run_engine(args, prompts)
-    print(f"engine: {engine['output_tok_per_s']:.1f} output tok/s ({engine['seconds']:.1f} s), "
-          f"kv_waste {engine['kv_waste']:.4f}", flush=True)
-    # The bound is timed after each run (the model kept, the engine's KV pool let go: the stack allocates its
-    # own; the engine's step counter holds the engine in a cycle).
-    model, decode_batch = llm.runner.model, engine["peak_batch"]
-    del llm
-    gc.collect()
-    timings = [time_gemm_bound(model, args, prompts, decode_batch)]
+    runs: dict[str, list[dict]] = {"engine": [], "stack": [], "transformers_generate_batch": []}
+    timings = []
+    for round_index in range(args.rounds):
+        engine, llm = run_engine(args, prompts)
+        runs["engine"].append(engine)
+        print(f"round {round_index + 1}: engine {engine['output_tok_per_s']:.1f} output tok/s "
+              f"({engine['seconds']:.1f} s), kv_waste {engine['kv_waste']:.4f}", flush=True)
+        # The bound is timed after each run (the model kept, the engine's KV pool let go: the stack allocates its
+        # own; the engine's step counter holds the engine in a cycle).
+        model, decode_batch = llm.runner.model, engine["peak_batch"]
+        del llm
+        gc.collect()
+        timings.append(time_gemm_bound(model, args, prompts, decode_batch))
+        if not args.skip_stack:
+            runs["stack"].append(run_stack(args, prompts))
+            print(f"round {round_index + 1}: stack {runs['stack'][-1]['seconds']:.1f} s", flush=True)
+            timings.append(time_gemm_bound(model, args, prompts, decode_batch))
+        if not args.skip_hf:
+            from executor_svc.model_loader import resolve_model_dir
+
+            hf = run_hf(args, prompts, resolve_model_dir(args.model))
+            runs["transformers_generate_batch"].append(hf)
+            print(f"round {round_index + 1}: transformers {hf['seconds']:.1f} s", flush=True)
+            timings.append(time_gemm_bound(model, args, prompts, decode_batch))
+    engine = fastest(runs["engine"])
     metrics = {"workload": {"num_requests": args.num_requests, "prompt_len": [64, 512],
                             "output_len": args.output_len, "dtype": args.dtype, "dtype_requested": requested_dtype,
                             "device": args.device, "max_num_batched_tokens": args.max_num_batched_tokens},
-               "engine": engine}
-    if not args.skip_stack:
-        metrics["stack"] = run_stack(args, prompts)
-        timings.append(time_gemm_bound(model, args, prompts, decode_batch))
-    if not args.skip_hf:
-        from executor_svc.model_loader import resolve_model_dir
-
-        metrics["transformers_generate_batch"] = run_hf(args, prompts, resolve_model_dir(args.model))
-        timings.append(time_gemm_bound(model, args, prompts, decode_batch))
+               "rounds": args.rounds, "engine": engine}
+    metrics.update({name: fastest(runs[name]) for name in ("stack", "transformers_generate_batch") if runs[name]})
     bound = metrics["gemm_bound"] = gemm_bound(timings, prompts, args, decode_batch)
+    print(f"engine: {engine['output_tok_per_s']:.1f} output tok/s ({engine['seconds']:.1f} s)", flush=True)
     print(f"linear layers alone: {bound['output_tok_per_s']:.1f} output tok/s ({bound['seconds']:.1f} s; timed "
           + ", ".join(f"{p + d:.1f}" for p, d in timings) + " s after each run)", flush=True)
     ratios = {"kv_waste": engine["kv_waste"],
