@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     set_nice(serving.nice)
     from transformers import AutoTokenizer
 
-    from frontend.server import GenerationServicer, SchedulerLink
+    from frontend.metrics import FrontendMetrics
+    from frontend.server import GenerationServicer, SchedulerLink, read_backend_stats
     from pagedserve.output.detokenizer import prepare as prepare_detokenizer
 
     security = Security.from_config(serving)
@@ -38,14 +39,18 @@ def main(argv: list[str] | None = None) -> None:
     service = AioService("frontend", serving.host, serving.listen_port("frontend"), security=security, public=True,
                          max_message_bytes=serving.max_message_bytes, dependencies={"scheduler_svc": serving.scheduler})
     max_prompt_chars = serving.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * info.max_model_len
-    servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars, serving.max_streams)
+    model_names = serving.served_model_name or (model_name(info.model),)
+    # Served on the HTTP API's /metrics; without it, nothing is measured.
+    metrics = (FrontendMetrics(model_names[0], info.max_model_len, lambda: read_backend_stats(scheduler))
+               if serving.http_address else None)
+    servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars, serving.max_streams, metrics)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
     http = None
     if serving.http_address:
         from frontend.http_server import HttpServer, OpenAIServer
 
-        api = OpenAIServer(link, tokenizer, serving.served_model_name or (model_name(info.model),), info.max_model_len,
-                           info.vocab_size, max_prompt_chars, security.api_key_ok if security.api_keys else None)
+        api = OpenAIServer(link, tokenizer, model_names, info.max_model_len, info.vocab_size, max_prompt_chars,
+                           security.api_key_ok if security.api_keys else None, metrics)
         http = HttpServer(api.app, serving.http_address, serving.log_level, serving.tls_cert, serving.tls_key,
                           serving.tls_client_ca)
         http.start()

@@ -16,10 +16,17 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from frontend.metrics import FrontendMetrics
 from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import RequestOutput, SampledToken
 
+# The finish reasons of a request that failed, with the message its error has when the back end gave none.
+FAILURES = {
+    "overloaded": "the server is overloaded",
+    "unavailable": "the scheduler is shutting down",
+    "error": "request failed",
+}
 # Why a draining frontend refuses a new call.
 DRAINING = "this frontend is shutting down and takes no new requests; send them to another frontend"
 
@@ -51,9 +58,12 @@ class GenerateCall:
     choices still running and forgets them on the link."""
 
     def __init__(self, link, tokenizer: Any, prompt_ids: list[int], params: SamplingParams,
-                 cache_salt: str | None, inbox, priority: int = 0) -> None:
+                 cache_salt: str | None, inbox, priority: int = 0, metrics: FrontendMetrics | None = None) -> None:
         self.link, self.prompt_ids, self.params, self.cache_salt, self.inbox = link, prompt_ids, params, cache_salt, inbox
         self.priority = priority
+        self.metrics = metrics
+        self.times = [metrics.arrived() for _ in range(params.n)] if metrics is not None else None
+        self.failure: str | None = None  # the GenerateError kind that ended the call
         # The scheduler sees fresh ids: a client may reuse its own the moment its call ends.
         self.ids = [uuid.uuid4().hex for _ in range(params.n)]
         self.index = {request_id: i for i, request_id in enumerate(self.ids)}
@@ -65,6 +75,8 @@ class GenerateCall:
     def start(self) -> None:
         """Submits the first choice; raises GenerateError("unavailable") when the link is closing."""
         self._submit(0)
+        if self.metrics is not None:
+            self.metrics.prompt(len(self.prompt_ids))
 
     def _submit(self, index: int) -> None:
         if self.cancelled:
@@ -75,6 +87,7 @@ class GenerateCall:
             self.link.submit(self.ids[index], self.prompt_ids, self.params.for_choice(index), self.cache_salt,
                              self.inbox, self.priority, new_call=index == 0)
         except ConnectionError as error:
+            self.failure = "unavailable"
             raise GenerateError("unavailable", str(error)) from None
         self.submitted.append(self.ids[index])
 
@@ -85,13 +98,11 @@ class GenerateCall:
     def process(self, output: RequestOutput | None) -> ChoiceDelta:
         """The delta of one routed output (None: the link closed); raises GenerateError."""
         if output is None:
+            self.failure = "unavailable"
             raise GenerateError("unavailable", "the frontend is shutting down")
-        if output.finish_reason == "overloaded":
-            raise GenerateError("overloaded", output.error or "the server is overloaded")
-        if output.finish_reason == "unavailable":
-            raise GenerateError("unavailable", output.error or "the scheduler is shutting down")
-        if output.finish_reason == "error":
-            raise GenerateError("error", output.error or "request failed")
+        if output.finish_reason in FAILURES:
+            self.failure = output.finish_reason
+            raise GenerateError(output.finish_reason, output.error or FAILURES[output.finish_reason])
         index = self.index[output.request_id]
         if index == 0 and len(self.submitted) == 1:
             # The first choice's prompt is computed (it has sampled), and its blocks are indexed in the step
@@ -104,6 +115,10 @@ class GenerateCall:
         if delta.finished:
             self.ended.add(output.request_id)
         num_tokens = delta.num_tokens  # (fewer than given when a stop string ended the choice part-way)
+        if self.times is not None:
+            self.metrics.output(self.times[index], len(output.new_token_ids) if num_tokens is None else num_tokens)
+            if delta.finished:
+                self.metrics.ended_request(self.times[index], delta.finish_reason)
         return ChoiceDelta(index, output.new_token_ids[:num_tokens], delta.text,
                            output.new_logprobs[:num_tokens] if output.new_logprobs is not None else None,
                            delta.finish_reason, delta.usage, output.prompt_logprobs)
@@ -119,6 +134,11 @@ class GenerateCall:
         self.abort()
         for request_id in self.submitted:
             self.link.release(request_id)
+        if self.times is not None:  # every choice that did not finish ends here
+            for index, request_id in enumerate(self.ids):
+                if request_id not in self.ended:
+                    self.metrics.ended_request(self.times[index], self.failure or "abort")
+            self.times = None
 
 
 class AsyncInbox:

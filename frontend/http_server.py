@@ -2,8 +2,9 @@
 validation (frontend/validation.py) and stream to the scheduler (GenerateCall over the SchedulerLink).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming as server-sent events), GET
-/v1/models, GET /health, POST /tokenize, POST /detokenize. Errors have OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}; a client that disconnects aborts its request.
+/v1/models, GET /health, GET /metrics (Prometheus, frontend/metrics.py), POST /tokenize, POST /detokenize.
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}; a client that disconnects aborts
+its request.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from typing import Any, Callable, Literal
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
 from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError
+from frontend.metrics import FrontendMetrics
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.step import SampledToken
 
@@ -30,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # How often a waiting request checks that its client is still connected.
 DISCONNECT_POLL_S = 0.5
+# Served without an API key, as vLLM serves them: a load balancer's health check and a Prometheus scrape.
+OPEN_PATHS = ("/health", "/metrics")
 # Request fields whose name differs on this API from the validation's (GenerateInput's).
 HTTP_PARAM = {"json_schema": "response_format", "json_object": "response_format", "request_id": "X-Request-Id",
               "prompt_token_ids": "prompt"}
@@ -152,10 +157,12 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
 
 class OpenAIServer:
     def __init__(self, link, tokenizer: Any, served_model_names: tuple[str, ...], max_model_len: int,
-                 vocab_size: int, max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None) -> None:
+                 vocab_size: int, max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None,
+                 metrics: FrontendMetrics | None = None) -> None:
         """served_model_names: what requests may name the model (responses name it by the first);
-        api_key_ok: checks an `authorization` header's value; None: the API is open."""
-        self.link, self.tokenizer = link, tokenizer
+        api_key_ok: checks an `authorization` header's value; None: the API is open; metrics: served on
+        /metrics (without, that route is a 404)."""
+        self.link, self.tokenizer, self.metrics = link, tokenizer, metrics
         self.model_names, self.model_name = served_model_names, served_model_names[0]
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_prompt_chars, self.api_key_ok = max_prompt_chars, api_key_ok
@@ -167,7 +174,7 @@ class OpenAIServer:
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next):
-            if self.api_key_ok is not None and request.url.path != "/health":
+            if self.api_key_ok is not None and request.url.path not in OPEN_PATHS:
                 if not self.api_key_ok(request.headers.get("authorization", "")):
                     return error_response(401, "a valid API key is required: authorization: Bearer <key>",
                                           code="invalid_api_key")
@@ -192,11 +199,17 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
+        if self.metrics is not None:
+            app.get("/metrics")(self.prometheus_metrics)
         return app
 
     async def health(self) -> Response:
         """503 while the frontend drains, so that a load balancer sends new requests elsewhere."""
         return Response(status_code=503 if self.link.draining else 200)
+
+    def prometheus_metrics(self) -> Response:
+        """Not async: a scrape reads the scheduler's stats, on a worker thread rather than the API's loop."""
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -353,7 +366,8 @@ class OpenAIServer:
         # Refused here, before a stream's 200 goes out; the link refuses one that slips past (as an error event).
         if self.link.draining:
             raise APIError(503, DRAINING)
-        return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, AsyncInbox())
+        return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, AsyncInbox(),
+                            metrics=self.metrics)
 
     @staticmethod
     def _json(body: dict, request_id: str) -> JSONResponse:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError
+from frontend.metrics import BackendStats, FrontendMetrics
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.convert import FINISH_REASONS, sampling_to_proto, scheduler_update_from_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -29,6 +30,9 @@ GRPC_CODES = {
     "error": grpc.StatusCode.INTERNAL,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
 }
+# A metrics scrape waits at most twice this for the scheduler's stats (which wait at most this for the KV
+# cache service's).
+STATS_TIMEOUT_S = 2.0
 # Between attempts to reopen the stream to the scheduler (on top of the channel's own reconnect backoff).
 RECONNECT_MIN_S = 0.1
 RECONNECT_MAX_S = 2.0
@@ -218,8 +222,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     its outputs from an AsyncInbox; nothing here blocks that loop but the tokenizer."""
 
     def __init__(self, link: SchedulerLink, tokenizer, info: scheduler_pb2.SchedulerInfo,
-                 max_prompt_chars: int, max_streams: int) -> None:
+                 max_prompt_chars: int, max_streams: int, metrics: FrontendMetrics | None = None) -> None:
         self.link = link
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.info = info
         self.max_prompt_chars = max_prompt_chars
@@ -251,7 +256,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             async with self.streams:
                 call = GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, AsyncInbox(),
-                                    priority=inp.priority)
+                                    priority=inp.priority, metrics=self.metrics)
                 # A cancel or a deadline cancels this generator where it awaits its inbox, and the finally
                 # below runs then; one that comes while gRPC sends a response leaves it suspended until it is
                 # closed. The callback tells the scheduler at once either way (aborting a finished request is
@@ -300,3 +305,19 @@ def _response(request_id: str, delta) -> generate_pb2.GenerateResponse:
         response.usage.prompt_tokens = delta.usage.prompt_tokens
         response.usage.completion_tokens = delta.usage.completion_tokens
     return response
+
+
+def read_backend_stats(scheduler_stub) -> BackendStats | None:
+    """The scheduler's stats for a metrics scrape; None when it does not answer in time."""
+    try:
+        stats = scheduler_stub.GetStats(scheduler_pb2.SchedulerStatsRequest(include_kv_cache=True),
+                                        timeout=2 * STATS_TIMEOUT_S)
+    except grpc.RpcError:
+        return None
+    kv = stats.kv_cache if stats.HasField("kv_cache") else None
+    return BackendStats(
+        num_running=stats.num_running, num_waiting=stats.num_waiting, num_preemptions=stats.num_preemptions,
+        kv_cache_usage=kv.usage if kv is not None else None,
+        prefix_cache_queries=kv.prefix_cache_queries if kv is not None else None,
+        prefix_cache_hits=kv.prefix_cache_hits if kv is not None else None,
+    )

@@ -40,6 +40,7 @@ from scheduler_svc.stream_interval import StreamInterval
 
 logger = logging.getLogger(__name__)
 
+STATS_TIMEOUT_S = 2.0  # for the KV-cache service's stats: a metrics scrape must not hang on a service that is down
 RPC_TIMEOUT_S = 600.0  # a step on a CPU with a long prefill can take a while; a hung peer must not hang us forever
 EPOCH_TIMEOUT_S = 2.0
 WATCH_EVERY_S = 1.0
@@ -341,7 +342,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             connection.outbox.put(items)
 
     def GetStats(self, request, context):
-        return scheduler_pb2.SchedulerStats(
+        stats = scheduler_pb2.SchedulerStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_steps=self.loop.num_steps, num_preemptions=self.scheduler.num_preemptions,
             kv_rpcs=self.backends.kv_rpcs, kv_calls_skipped=self.scheduler.num_calls_skipped,
@@ -349,6 +350,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             num_failed_steps=self.loop.num_failed_steps, num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
             steps_out_limit=self.loop.steps_out_limit(), loop_work_share=self.loop.work_share,
         )
+        if request.include_kv_cache:
+            try:
+                stats.kv_cache.CopyFrom(self.backends.kvcache_stub.GetStats(kvcache_pb2.KVCacheStatsRequest(),
+                                                                            timeout=STATS_TIMEOUT_S))
+            except grpc.RpcError as error:
+                logger.debug("KV-cache stats unavailable: %s", error.code())
+        return stats
 
     def GetInfo(self, request, context):
         return self.info

@@ -1,4 +1,5 @@
 from pagedserve.v1 import common_pb2 as _common_pb2
+from pagedserve.v1 import kvcache_pb2 as _kvcache_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -79,11 +80,13 @@ class SchedulerUpdate(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., tokens: _Optional[_Union[TokenOutputs, _Mapping]] = ...) -> None: ...
 
 class SchedulerStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_kv_cache",)
+    INCLUDE_KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    include_kv_cache: bool
+    def __init__(self, include_kv_cache: bool = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_steps", "num_preemptions", "kv_rpcs", "kv_calls_skipped", "executor_rpcs", "num_failed_steps", "num_recomputed_tokens", "steps_out_limit", "loop_work_share")
+    __slots__ = ("num_running", "num_waiting", "num_steps", "num_preemptions", "kv_rpcs", "kv_calls_skipped", "executor_rpcs", "num_failed_steps", "num_recomputed_tokens", "steps_out_limit", "loop_work_share", "kv_cache")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +98,7 @@ class SchedulerStats(_message.Message):
     NUM_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_OUT_LIMIT_FIELD_NUMBER: _ClassVar[int]
     LOOP_WORK_SHARE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_steps: int
@@ -106,7 +110,8 @@ class SchedulerStats(_message.Message):
     num_recomputed_tokens: int
     steps_out_limit: int
     loop_work_share: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_rpcs: _Optional[int] = ..., kv_calls_skipped: _Optional[int] = ..., executor_rpcs: _Optional[int] = ..., num_failed_steps: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., steps_out_limit: _Optional[int] = ..., loop_work_share: _Optional[float] = ...) -> None: ...
+    kv_cache: _kvcache_pb2.KVCacheStats
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., kv_rpcs: _Optional[int] = ..., kv_calls_skipped: _Optional[int] = ..., executor_rpcs: _Optional[int] = ..., num_failed_steps: _Optional[int] = ..., num_recomputed_tokens: _Optional[int] = ..., steps_out_limit: _Optional[int] = ..., loop_work_share: _Optional[float] = ..., kv_cache: _Optional[_Union[_kvcache_pb2.KVCacheStats, _Mapping]] = ...) -> None: ...
 
 class SchedulerInfoRequest(_message.Message):
     __slots__ = ()

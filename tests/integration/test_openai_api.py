@@ -214,3 +214,43 @@ def test_json_schema_output_validates_greedy_and_sampled(api_stack, openai_clien
     json_object = openai_client.chat.completions.create(model=MODEL, messages=messages, temperature=1.0, seed=3,
                                                         max_tokens=64, response_format={"type": "json_object"})
     assert isinstance(json.loads(json_object.choices[0].message.content), dict)
+
+
+def scrape(api_stack) -> dict[tuple[str, str | None], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{api_stack.http_url}/metrics", timeout=30)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(sample.name, sample.labels.get("finished_reason")): sample.value
+            for family in text_string_to_metric_families(response.text) for sample in family.samples
+            if sample.labels.get("model_name") == MODEL}
+
+
+def test_metrics_count_each_request_and_show_the_back_ends_state(api_stack, openai_client, tokenizer):
+    before = scrape(api_stack)
+    prompt = "Count these metrics, please:"
+    completion = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                                  extra_body={"ignore_eos": True})
+    after = scrape(api_stack)
+
+    def grew(name: str, reason: str | None = None) -> float:
+        return after.get((name, reason), 0) - before.get((name, reason), 0)
+
+    assert completion.usage.completion_tokens == 5
+    assert grew("pagedserve:generation_tokens_total") == 5
+    assert grew("pagedserve:prompt_tokens_total") == len(tokenizer.encode(prompt)) == completion.usage.prompt_tokens
+    assert grew("pagedserve:request_success_total", "length") == 1
+    assert grew("pagedserve:time_to_first_token_seconds_count") == 1
+    assert grew("pagedserve:inter_token_latency_seconds_count") == 4
+    assert 0 < grew("pagedserve:e2e_request_latency_seconds_sum") < 120
+    assert grew("pagedserve:prefix_cache_queries_total") >= completion.usage.prompt_tokens - 1
+    # Nothing else runs, and the finished request's blocks go back to the pool (a step later at most).
+    deadline = time.monotonic() + 10
+    while True:
+        state = [after[(name, None)] for name in ("pagedserve:num_requests_running",
+                                                  "pagedserve:num_requests_waiting", "pagedserve:kv_cache_usage_perc")]
+        if state == [0, 0, 0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+        after = scrape(api_stack)
+    assert state == [0, 0, 0]

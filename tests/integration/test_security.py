@@ -92,11 +92,12 @@ def test_the_api_key_is_required_but_health_stays_open(stack, pki):
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_the_http_api_serves_tls_and_requires_the_api_key_but_health_stays_open(stack, pki):
+def test_the_http_api_serves_tls_and_requires_the_api_key_but_health_and_metrics_stay_open(stack, pki):
     import ssl
 
     import httpx
     import openai
+    from prometheus_client.parser import text_string_to_metric_families
 
     verify = ssl.create_default_context(cafile=pki["services_ca"])
     verify.load_cert_chain(*pki["client"])
@@ -110,6 +111,15 @@ def test_the_http_api_serves_tls_and_requires_the_api_key_but_health_stays_open(
         completion = client.completions.create(model=model_name(stack.config.model_config.model), prompt=[1, 2, 3],
                                                max_tokens=2, temperature=0)
         assert completion.usage.completion_tokens == 2
+        # The scrape reads the scheduler's and the KV-cache service's stats over the internal mTLS and secret.
+        scrape = https.get("/metrics")
+        assert scrape.status_code == 200
+        metrics = {(sample.name, sample.labels.get("finished_reason")): sample.value
+                   for family in text_string_to_metric_families(scrape.text) for sample in family.samples}
+        assert metrics[("pagedserve:generation_tokens_total", None)] >= 2
+        assert metrics[("pagedserve:request_success_total", "length")] >= 1
+        assert 0 <= metrics[("pagedserve:kv_cache_usage_perc", None)] <= 1
+        assert metrics[("pagedserve:prefix_cache_queries_total", None)] > 0
     with pytest.raises(httpx.TransportError):  # no plain HTTP beside TLS
         httpx.get(f"{stack.http_url}/health", timeout=5)
 
