@@ -128,6 +128,10 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Known so that they are refused rather than ignored: this server parses no tool calls.
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
 
 
 class TokenizeRequest(_Body):
@@ -327,6 +331,11 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request):
         body = parse_body(ChatRequest, await request.body())
+        for name in ("tools", "functions"):
+            if getattr(body, name):
+                raise APIError(400, f"{name} are not supported: this server parses no tool calls", name)
+        if body.tool_choice not in (None, "none", "auto"):  # (with no tools, "auto" and "none" ask for nothing)
+            raise APIError(400, "tool_choice needs tools, which are not supported", "tool_choice")
         inp = self._sampling_input(body, request)
         inp.messages = _messages(body.messages)
         if body.max_tokens is not None and body.max_completion_tokens is not None:

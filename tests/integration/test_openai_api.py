@@ -137,6 +137,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -1}, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    # No tool-call parser: tools are refused, not silently left out of the prompt.
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
 ]
 
 
