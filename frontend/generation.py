@@ -116,6 +116,8 @@ class GenerateCall:
             self.ended.add(output.request_id)
         num_tokens = delta.num_tokens  # (fewer than given when a stop string ended the choice part-way)
         if self.times is not None:
+            if output.queue_time_s is not None:
+                self.metrics.scheduled(self.times[index], output.queue_time_s, output.prefill_time_s)
             self.metrics.output(self.times[index], len(output.new_token_ids) if num_tokens is None else num_tokens)
             if delta.finished:
                 self.metrics.ended_request(self.times[index], delta.finish_reason)

@@ -71,6 +71,9 @@ class RequestTimes:
     first_token: float | None = None
     last_output: float | None = None
     num_tokens: int = 0
+    # As the scheduler timed them (its first output with a token carries them).
+    queue_time: float | None = None
+    prefill_time: float | None = None
 
 
 class _Histogram:
@@ -124,13 +127,23 @@ class FrontendMetrics:
                                ITL_BUCKETS)
         self.e2e = _Histogram("e2e_request_latency_seconds", "Time from a request's arrival to its last token.",
                               REQUEST_BUCKETS)
+        self.queue = _Histogram("request_queue_time_seconds",
+                                "Time a request waited in the scheduler's queue before it was first scheduled.",
+                                REQUEST_BUCKETS)
+        self.prefill = _Histogram("request_prefill_time_seconds",
+                                  "Time from a request's first scheduling to its first token.", REQUEST_BUCKETS)
+        self.decode = _Histogram("request_decode_time_seconds", "Time from a request's first token to its last.",
+                                 REQUEST_BUCKETS)
+        self.inference = _Histogram("request_inference_time_seconds",
+                                    "Time from a request's first scheduling to its last token (prefill + decode).",
+                                    REQUEST_BUCKETS)
         tokens = token_buckets(max_model_len)
         self.prompt_tokens_per_request = _Histogram("request_prompt_tokens", "Prompt tokens of each request.",
                                                     tokens)
         self.generation_tokens_per_request = _Histogram("request_generation_tokens",
                                                         "Output tokens of each request.", tokens)
-        self.histograms = (self.ttft, self.itl, self.tpot, self.e2e, self.prompt_tokens_per_request,
-                           self.generation_tokens_per_request)
+        self.histograms = (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode,
+                           self.inference, self.prompt_tokens_per_request, self.generation_tokens_per_request)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.ended: dict[str, int] = {}  # requests by finished_reason
@@ -146,6 +159,13 @@ class FrontendMetrics:
         with self.lock:
             self.prompt_tokens += num_prompt_tokens
             self.prompt_tokens_per_request.add(num_prompt_tokens)
+
+    @staticmethod
+    def scheduled(times: RequestTimes, queue_time: float, prefill_time: float) -> None:
+        """The scheduler's times of the request, from its first output with a token (kept for its end). Those
+        of a request re-submitted to a restarted scheduler after its first token are not its own: ignored."""
+        if times.first_token is None:
+            times.queue_time, times.prefill_time = queue_time, prefill_time
 
     def output(self, times: RequestTimes, num_tokens: int) -> None:
         """An output of num_tokens tokens reached the frontend."""
@@ -172,6 +192,11 @@ class FrontendMetrics:
             self.generation_tokens_per_request.add(times.num_tokens)
             if times.num_tokens > 1:
                 self.tpot.add((now - times.first_token) / (times.num_tokens - 1))
+            if times.queue_time is not None and times.first_token is not None:
+                self.queue.add(times.queue_time)
+                self.prefill.add(times.prefill_time)
+                self.decode.add(now - times.first_token)
+                self.inference.add(times.prefill_time + now - times.first_token)
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

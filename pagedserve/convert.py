@@ -389,6 +389,8 @@ def request_output_from_proto(message: scheduler_pb2.RequestOutput) -> RequestOu
         FINISH_REASON_NAMES[message.finish_reason], message.num_prompt_tokens, message.num_output_tokens,
         message.error or None,
         [token_from_proto(t) for t in prompt_logprobs] if prompt_logprobs else None,
+        message.queue_time_s if message.HasField("queue_time_s") else None,
+        message.prefill_time_s if message.HasField("prefill_time_s") else None,
     )
 
 
@@ -408,6 +410,8 @@ def request_output_to_proto(output: RequestOutput, out: scheduler_pb2.RequestOut
     if output.prompt_logprobs:
         for token in output.prompt_logprobs:
             token_to_proto(token, out.prompt_logprobs.add())
+    if output.queue_time_s is not None:
+        out.queue_time_s, out.prefill_time_s = output.queue_time_s, output.prefill_time_s
     return out
 
 
@@ -418,7 +422,7 @@ def scheduler_update_to_proto(outputs: list[RequestOutput]) -> scheduler_pb2.Sch
     plain = []
     for output in join_outputs(outputs):
         if (output.finish_reason is None and output.new_logprobs is None and output.prompt_logprobs is None
-                and not output.error):
+                and not output.error and output.queue_time_s is None):
             plain.append(output)
         else:
             request_output_to_proto(output, update.outputs.add())

@@ -245,6 +245,10 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error", or "overloaded" or "unavailable" (refused at admission)
     # With sampling_params.prompt_logprobs, once: the logprobs of prompt tokens 1 to the end (the first has none).
     prompt_logprobs: list[SampledToken] | None = None
+    # On a request's first output with a token, on the scheduler's clock: the seconds from its arrival to its
+    # first scheduling (its wait in the queue), and from then to this output (its prompt's computation).
+    queue_time_s: float | None = None
+    prefill_time_s: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -253,7 +257,8 @@ class RequestOutput:
 
 def join_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
     """Each request's outputs of consecutive steps as one, in the order the requests first appear: its new
-    tokens (and logprobs) in order, its prompt logprobs (sent once), the finish and counts of the last."""
+    tokens (and logprobs) in order, its prompt logprobs and queue and prefill times (sent once), the finish
+    and counts of the last."""
     runs: dict[str, list[RequestOutput]] = {}
     for output in outputs:
         run = runs.get(output.request_id)
@@ -271,8 +276,10 @@ def join_run(run: list[RequestOutput]) -> RequestOutput:
         return run[0]
     last = run[-1]
     logprobs = [token for output in run if output.new_logprobs for token in output.new_logprobs]
+    timed = next((output for output in run if output.queue_time_s is not None), None)
     return RequestOutput(
         last.request_id, [token_id for output in run for token_id in output.new_token_ids], logprobs or None,
         last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, last.error,
         next((output.prompt_logprobs for output in run if output.prompt_logprobs), None),
+        timed.queue_time_s if timed else None, timed.prefill_time_s if timed else None,
     )

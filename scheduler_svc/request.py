@@ -20,7 +20,7 @@ class Request:
         "output_token_ids", "output_logprobs", "num_computed_tokens", "status", "finish_reason",
         "num_preemptions", "cache_salt", "num_tokens_sent_to_kv", "priority", "arrival", "num_pending_samples",
         "prompt_logprobs", "prompt_logprobs_sent", "executor_id", "num_tokens", "structured", "num_slots",
-        "unsent_block_ids",
+        "unsent_block_ids", "queued_at", "scheduled_at", "times_pending",
     )
 
     def __init__(
@@ -74,6 +74,11 @@ class Request:
         # Running: blocks given to it in a step it had no row in, which its next row carries.
         self.unsent_block_ids: list[int] = []
         self.executor_id = ""  # running: the executor (address) it was admitted on
+        # Set by the scheduler (time.monotonic): when the request came, and when it was first admitted; its first
+        # output with a token reports both (times_pending until then).
+        self.queued_at = 0.0
+        self.scheduled_at: float | None = None
+        self.times_pending = False
 
     def num_tokens_to_compute(self) -> int:
         """Tokens, known or pending, whose K/V is not computed or scheduled yet; none once a pending sample

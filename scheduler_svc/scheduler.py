@@ -153,6 +153,7 @@ class Scheduler:
             )
         request.arrival = self.num_arrivals
         self.num_arrivals += 1
+        request.queued_at = time.monotonic()
         self.requests[request.request_id] = request
         self._enqueue(self.waiting, request)
 
@@ -215,9 +216,12 @@ class Scheduler:
         # A waiting request is admitted on the executor whose answer serves it.
         admitted_on = {request_id: address for address, blocks in answers.items() for request_id in blocks.new_block_ids}
         admitted = [s for s in waiting if s.request.request_id in admitted_on]
+        now = time.monotonic() if admitted else 0.0
         for s in admitted:
             self.waiting.remove(s.request)
             s.request.status = RequestStatus.RUNNING
+            if s.request.scheduled_at is None:  # (not again after a preemption: the queue time is the first wait)
+                s.request.scheduled_at, s.request.times_pending = now, True
             s.request.executor_id = admitted_on[s.request.request_id]
             self._enqueue(self.running, s.request)
         preempted_ids = [request_id for blocks in answers.values() for request_id in blocks.preempted_request_ids]
@@ -338,6 +342,10 @@ class Scheduler:
                 self._finish(request)
             logprobs = [token] if request.sampling_params.logprobs is not None else None
             output = self._output(request, [token.token_id], logprobs)
+            if request.times_pending:
+                output.queue_time_s = request.scheduled_at - request.queued_at
+                output.prefill_time_s = time.monotonic() - request.scheduled_at
+                request.times_pending = False
             if request.sampling_params.prompt_logprobs is not None and not request.wants_prompt_logprobs \
                     and not request.prompt_logprobs_sent:
                 output.prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True

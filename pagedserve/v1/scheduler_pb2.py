@@ -26,7 +26,7 @@ from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 from pagedserve.v1 import kvcache_pb2 as pagedserve_dot_v1_dot_kvcache__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedserve/v1/scheduler.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\x1a\x1bpagedserve/v1/kvcache.proto\"\xab\x01\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"r\n\x10SchedulerRequest\x12(\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x19.pagedserve.v1.AddRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\x98\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x88\x01\n\x0cTokenOutputs\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x03(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x05 \x03(\x05\"m\n\x0fSchedulerUpdate\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.pagedserve.v1.RequestOutput\x12+\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.TokenOutputs\"1\n\x15SchedulerStatsRequest\x12\x18\n\x10include_kv_cache\x18\x01 \x01(\x08\"\xc2\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x11\n\tnum_steps\x18\x03 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x03\x12\x0f\n\x07kv_rpcs\x18\x05 \x01(\x03\x12\x18\n\x10kv_calls_skipped\x18\x0b \x01(\x03\x12\x15\n\rexecutor_rpcs\x18\x06 \x01(\x03\x12\x18\n\x10num_failed_steps\x18\x07 \x01(\x03\x12\x1d\n\x15num_recomputed_tokens\x18\x08 \x01(\x03\x12\x17\n\x0fsteps_out_limit\x18\t \x01(\x05\x12\x17\n\x0floop_work_share\x18\n \x01(\x01\x12-\n\x08kv_cache\x18\x0c \x01(\x0b\x32\x1b.pagedserve.v1.KVCacheStats\"\x16\n\x14SchedulerInfoRequest\"\\\n\rSchedulerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x32\xfa\x01\n\tScheduler\x12N\n\x07\x43onnect\x12\x1f.pagedserve.v1.SchedulerRequest\x1a\x1e.pagedserve.v1.SchedulerUpdate(\x01\x30\x01\x12O\n\x08GetStats\x12$.pagedserve.v1.SchedulerStatsRequest\x1a\x1d.pagedserve.v1.SchedulerStats\x12L\n\x07GetInfo\x12#.pagedserve.v1.SchedulerInfoRequest\x1a\x1c.pagedserve.v1.SchedulerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedserve/v1/scheduler.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\x1a\x1bpagedserve/v1/kvcache.proto\"\xab\x01\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x18\n\x10output_token_ids\x18\x05 \x03(\x05\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"r\n\x10SchedulerRequest\x12(\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x19.pagedserve.v1.AddRequestH\x00\x12,\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\xf4\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x19\n\x0cqueue_time_s\x18\t \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0eprefill_time_s\x18\n \x01(\x01H\x01\x88\x01\x01\x42\x0f\n\r_queue_time_sB\x11\n\x0f_prefill_time_s\"\x88\x01\n\x0cTokenOutputs\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x16\n\x0enum_new_tokens\x18\x02 \x03(\x05\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x04 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x05 \x03(\x05\"m\n\x0fSchedulerUpdate\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.pagedserve.v1.RequestOutput\x12+\n\x06tokens\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.TokenOutputs\"1\n\x15SchedulerStatsRequest\x12\x18\n\x10include_kv_cache\x18\x01 \x01(\x08\"\xc2\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x11\n\tnum_steps\x18\x03 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x04 \x01(\x03\x12\x0f\n\x07kv_rpcs\x18\x05 \x01(\x03\x12\x18\n\x10kv_calls_skipped\x18\x0b \x01(\x03\x12\x15\n\rexecutor_rpcs\x18\x06 \x01(\x03\x12\x18\n\x10num_failed_steps\x18\x07 \x01(\x03\x12\x1d\n\x15num_recomputed_tokens\x18\x08 \x01(\x03\x12\x17\n\x0fsteps_out_limit\x18\t \x01(\x05\x12\x17\n\x0floop_work_share\x18\n \x01(\x01\x12-\n\x08kv_cache\x18\x0c \x01(\x0b\x32\x1b.pagedserve.v1.KVCacheStats\"\x16\n\x14SchedulerInfoRequest\"\\\n\rSchedulerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tmodel_dir\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x32\xfa\x01\n\tScheduler\x12N\n\x07\x43onnect\x12\x1f.pagedserve.v1.SchedulerRequest\x1a\x1e.pagedserve.v1.SchedulerUpdate(\x01\x30\x01\x12O\n\x08GetStats\x12$.pagedserve.v1.SchedulerStatsRequest\x1a\x1d.pagedserve.v1.SchedulerStats\x12L\n\x07GetInfo\x12#.pagedserve.v1.SchedulerInfoRequest\x1a\x1c.pagedserve.v1.SchedulerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,19 +40,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULERREQUEST']._serialized_start=315
   _globals['_SCHEDULERREQUEST']._serialized_end=429
   _globals['_REQUESTOUTPUT']._serialized_start=432
-  _globals['_REQUESTOUTPUT']._serialized_end=712
-  _globals['_TOKENOUTPUTS']._serialized_start=715
-  _globals['_TOKENOUTPUTS']._serialized_end=851
-  _globals['_SCHEDULERUPDATE']._serialized_start=853
-  _globals['_SCHEDULERUPDATE']._serialized_end=962
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=964
-  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=1013
-  _globals['_SCHEDULERSTATS']._serialized_start=1016
-  _globals['_SCHEDULERSTATS']._serialized_end=1338
-  _globals['_SCHEDULERINFOREQUEST']._serialized_start=1340
-  _globals['_SCHEDULERINFOREQUEST']._serialized_end=1362
-  _globals['_SCHEDULERINFO']._serialized_start=1364
-  _globals['_SCHEDULERINFO']._serialized_end=1456
-  _globals['_SCHEDULER']._serialized_start=1459
-  _globals['_SCHEDULER']._serialized_end=1709
+  _globals['_REQUESTOUTPUT']._serialized_end=804
+  _globals['_TOKENOUTPUTS']._serialized_start=807
+  _globals['_TOKENOUTPUTS']._serialized_end=943
+  _globals['_SCHEDULERUPDATE']._serialized_start=945
+  _globals['_SCHEDULERUPDATE']._serialized_end=1054
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_start=1056
+  _globals['_SCHEDULERSTATSREQUEST']._serialized_end=1105
+  _globals['_SCHEDULERSTATS']._serialized_start=1108
+  _globals['_SCHEDULERSTATS']._serialized_end=1430
+  _globals['_SCHEDULERINFOREQUEST']._serialized_start=1432
+  _globals['_SCHEDULERINFOREQUEST']._serialized_end=1454
+  _globals['_SCHEDULERINFO']._serialized_start=1456
+  _globals['_SCHEDULERINFO']._serialized_end=1548
+  _globals['_SCHEDULER']._serialized_start=1551
+  _globals['_SCHEDULER']._serialized_end=1801
 # @@protoc_insertion_point(module_scope)

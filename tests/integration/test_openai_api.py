@@ -245,6 +245,10 @@ def test_metrics_count_each_request_and_show_the_back_ends_state(api_stack, open
     assert grew("pagedserve:prompt_tokens_total") == len(tokenizer.encode(prompt)) == completion.usage.prompt_tokens
     assert grew("pagedserve:request_success_total", "length") == 1
     assert grew("pagedserve:time_to_first_token_seconds_count") == 1
+    assert grew("pagedserve:request_queue_time_seconds_count") == grew("pagedserve:request_prefill_time_seconds_count") == 1
+    # The scheduler's share of the time to first token, on its own clock, fits inside the frontend's.
+    ttft = grew("pagedserve:time_to_first_token_seconds_sum")
+    assert 0 < grew("pagedserve:request_queue_time_seconds_sum") + grew("pagedserve:request_prefill_time_seconds_sum") <= ttft
     assert grew("pagedserve:inter_token_latency_seconds_count") == 4
     assert 0 < grew("pagedserve:e2e_request_latency_seconds_sum") < 120
     assert grew("pagedserve:prefix_cache_queries_total") >= completion.usage.prompt_tokens - 1

@@ -37,7 +37,9 @@ def test_latencies_are_measured_from_arrival_on_the_frontends_clock():
     times = metrics.arrived()
     metrics.prompt(7)
     clock.now += 0.25
+    metrics.scheduled(times, 0.125, 0.1)  # the scheduler's times come with the first token
     metrics.output(times, 1)  # first token: TTFT 0.25
+    metrics.scheduled(times, 9.0, 9.0)  # (a restarted scheduler's, after the first token: not this request's)
     clock.now += 0.05
     metrics.output(times, 0)  # an output without tokens (a stop string cut it) is no token
     metrics.output(times, 2)  # an output of two tokens (a client that reads slowly): one gap of 0.05
@@ -57,6 +59,10 @@ def test_latencies_are_measured_from_arrival_on_the_frontends_clock():
     assert value(metrics, "prompt_tokens_total") == 7
     assert value(metrics, "request_prompt_tokens_sum") == 7
     assert value(metrics, "request_success_total", finished_reason="length") == 1
+    assert value(metrics, "request_queue_time_seconds_sum") == 0.125
+    assert value(metrics, "request_prefill_time_seconds_sum") == 0.1
+    assert value(metrics, "request_decode_time_seconds_sum") == pytest.approx(0.15)
+    assert value(metrics, "request_inference_time_seconds_sum") == pytest.approx(0.25)
 
 
 def test_an_aborted_or_failed_request_is_counted_but_its_times_are_not():

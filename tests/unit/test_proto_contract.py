@@ -136,13 +136,15 @@ def test_outputs_of_several_steps_are_joined_per_request():
 
     token = lambda t: SampledToken(t, -0.5, [t], [-0.5])  # noqa: E731
     outputs = [
-        RequestOutput("a", [1], [token(1)], num_output_tokens=1), RequestOutput("b", [7], num_output_tokens=4),
+        RequestOutput("a", [1], [token(1)], num_output_tokens=1, queue_time_s=0.5, prefill_time_s=0.25),
+        RequestOutput("b", [7], num_output_tokens=4),
         RequestOutput("a", [2], [token(2)], num_output_tokens=2),
         RequestOutput("a", [], None, finish_reason="abort", num_output_tokens=2),
         RequestOutput("b", [8], finish_reason="length", num_output_tokens=5),
     ]
     assert join_outputs(outputs) == [
-        RequestOutput("a", [1, 2], [token(1), token(2)], finish_reason="abort", num_output_tokens=2),
+        RequestOutput("a", [1, 2], [token(1), token(2)], finish_reason="abort", num_output_tokens=2,
+                      queue_time_s=0.5, prefill_time_s=0.25),  # (sent once: they stay with the joined output)
         RequestOutput("b", [7, 8], finish_reason="length", num_output_tokens=5),
     ]
 
@@ -165,6 +167,9 @@ def test_request_output_round_trip():
                            num_output_tokens=1, prompt_logprobs=[SampledToken(2, -1.0, [], []), SampledToken(4, -2.0, [], [])])
     message = convert.request_output_to_proto(output, scheduler_pb2.RequestOutput())
     assert convert.request_output_from_proto(message) == output
+    first = RequestOutput("a", [5], num_prompt_tokens=3, num_output_tokens=1, queue_time_s=0.0, prefill_time_s=1.5)
+    message = convert.request_output_to_proto(first, scheduler_pb2.RequestOutput())
+    assert convert.request_output_from_proto(message) == first  # a queue time of 0 stays set
 
 
 def test_scheduler_update_sends_plain_token_outputs_as_columns_and_joins_steps():
@@ -175,14 +180,15 @@ def test_scheduler_update_sends_plain_token_outputs_as_columns_and_joins_steps()
         RequestOutput("a", [6], num_prompt_tokens=3, num_output_tokens=2),
         RequestOutput("d", [9, 10], num_prompt_tokens=8, num_output_tokens=2),
         RequestOutput("e", [11], finish_reason="stop", num_prompt_tokens=1, num_output_tokens=3),
+        RequestOutput("f", [12], num_prompt_tokens=4, num_output_tokens=1, queue_time_s=0.1, prefill_time_s=0.2),
     ]
     message = convert.scheduler_update_to_proto(outputs)
     assert list(message.tokens.request_ids) == ["a", "d"]
     assert list(message.tokens.new_token_ids) == [5, 6, 9, 10]
-    assert [m.request_id for m in message.outputs] == ["b", "c", "e"]
+    assert [m.request_id for m in message.outputs] == ["b", "c", "e", "f"]
     decoded = convert.scheduler_update_from_proto(type(message).FromString(message.SerializeToString()))
     by_id = {output.request_id: output for output in decoded}
-    assert len(decoded) == 5
+    assert len(decoded) == 6
     assert by_id == {output.request_id: output for output in join_outputs(outputs)}
 
 

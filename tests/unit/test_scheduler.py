@@ -379,3 +379,30 @@ def test_prompt_logprobs_come_once_whole_in_order_and_never_from_the_prefix_cach
     assert admissions == [0, 0], "a cached prefix would leave its prompt logprobs uncomputed"
     decodes = [r for s in executor.steps for r in s.requests if r.request_id == "asks" and r.start_position >= 30]
     assert decodes and not any(r.prompt_logprobs for r in decodes), "asked only while some are missing"
+
+
+def test_a_requests_first_token_carries_its_queue_and_prefill_times(monkeypatch):
+    import scheduler_svc.scheduler as scheduler_module
+
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    scheduler, block_manager, executor = make_engine(200, block_size=4, max_num_seqs=1)
+    add(scheduler, "a", [1, 2, 3], temperature=0, max_tokens=3, ignore_eos=True)
+    add(scheduler, "b", [4, 5, 6], temperature=0, max_tokens=2, ignore_eos=True)  # waits for a (one seq at a time)
+
+    def one_second_a_step(step):
+        clock[0] += 1.0
+        return executor(step)
+
+    clock[0] = 10.0
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        outputs += scheduler.step(one_second_a_step)
+    timed = {o.request_id: (o.queue_time_s, o.prefill_time_s) for o in outputs if o.queue_time_s is not None}
+    firsts = {}
+    for o in outputs:
+        firsts.setdefault(o.request_id, o)
+    assert all(firsts[r].queue_time_s is not None for r in "ab"), "the first output carries them"
+    assert sum(o.queue_time_s is not None for o in outputs) == 2, "once per request"
+    assert timed["a"] == (10.0, 1.0)  # admitted at 10, its first token a step (1 s) later
+    assert timed["b"][0] == 13.0 and timed["b"][1] == 1.0  # admitted once a's 3 steps ended
