@@ -9,6 +9,8 @@ its request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import socket
@@ -27,10 +29,13 @@ from starlette.exceptions import HTTPException
 from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError
 from frontend.metrics import FrontendMetrics
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
 
 logger = logging.getLogger(__name__)
 
+# Prompts one completion request may hold (each is a request of its own to the scheduler).
+MAX_PROMPTS = 256
 # How often a waiting request checks that its client is still connected.
 DISCONNECT_POLL_S = 0.5
 # Served without an API key, as vLLM serves them: a load balancer's health check and a Prometheus scrape.
@@ -280,54 +285,66 @@ class OpenAIServer:
         return inp
 
     async def completions(self, request: Request):
+        """One prompt, or a list of them (strings or token id lists): prompt i's choice j is choice i * n + j,
+        and usage adds the prompts up, as OpenAI and vLLM answer a batch."""
         body = parse_body(CompletionRequest, await request.body())
         inp = self._sampling_input(body, request)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request is supported", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            inp.prompt = prompt
-        else:
-            inp.prompt_token_ids = prompt
+        batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+        prompts = prompt if batch else [prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"prompt holds {len(prompts)} prompts, at most {MAX_PROMPTS} are accepted", "prompt")
         inp.max_tokens, inp.logprobs = body.max_tokens, body.logprobs
         if body.echo:  # the echoed prompt's tokens come with their logprobs
             inp.prompt_logprobs = body.logprobs
-        prompt_ids, params = self._validate(inp)
-        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt_ids)) if body.echo else None
+        parts = []
+        for i, one in enumerate(prompts):
+            part_input = dataclasses.replace(inp, prompt=one if isinstance(one, str) else None,
+                                             prompt_token_ids=None if isinstance(one, str) else one)
+            try:
+                prompt_ids, params = self._validate(part_input)
+            except APIError as error:
+                if not batch:
+                    raise
+                raise APIError(error.status, f"prompt {i}: {error}", error.param, error.code) from None
+            echo = (one if isinstance(one, str) else self.tokenizer.decode(prompt_ids)) if body.echo else None
+            parts.append(_CompletionPart(prompt_ids, params, echo, i * params.n))
+        calls = [self._call(part.prompt_ids, part.params, inp) for part in parts]
         response_id = f"cmpl-{inp.request_id}"
-        call = self._call(prompt_ids, params, inp)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            prompt_logprobs: list[list[SampledToken] | None] = [None]  # choice 0's, echoed by every choice
 
-            def chunk(delta: ChoiceDelta, first: bool) -> dict:
+            def chunk(part: _CompletionPart, delta: ChoiceDelta, first: bool) -> dict:
                 if delta.prompt_logprobs is not None:
-                    prompt_logprobs[0] = delta.prompt_logprobs
+                    part.prompt_logprobs = delta.prompt_logprobs  # choice 0's, echoed by every choice
                 echoed = None
-                if first and echo is not None and params.prompt_logprobs is not None:
-                    echoed = self._echoed_tokens(prompt_ids, prompt_logprobs[0])
-                return self._completion_chunk(delta, echo if first else None, echoed)
+                if first and part.echo is not None and part.params.prompt_logprobs is not None:
+                    echoed = self._echoed_tokens(part.prompt_ids, part.prompt_logprobs)
+                return self._completion_chunk(delta, part.echo if first else None, echoed, part.first_index)
 
-            return self._sse(request, call, response_id, inp.request_id, chunk, "text_completion", include_usage)
-        deltas = await self._collect(request, call)
-        echoed = None
-        if echo is not None and params.prompt_logprobs is not None:
-            echoed = self._echoed_tokens(prompt_ids, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None))
-        choices = []
-        for index in range(params.n):
-            mine = [d for d in deltas if d.index == index]
-            choice = {"index": index, "text": (echo or "") + "".join(d.text for d in mine), "logprobs": None,
-                      "finish_reason": mine[-1].finish_reason}
-            if params.logprobs is not None:
-                choice["logprobs"] = self._completion_logprobs(
-                    (echoed or []) + [t for d in mine for t in d.logprobs or []])
-            choices.append(choice)
+            return self._sse(request, calls, response_id, inp.request_id,
+                             [functools.partial(chunk, part) for part in parts], "text_completion", include_usage)
+        collected = await self._collect(request, calls)
+        choices, usages = [], []
+        for part, deltas in zip(parts, collected):
+            echoed = None
+            if part.echo is not None and part.params.prompt_logprobs is not None:
+                echoed = self._echoed_tokens(part.prompt_ids,
+                                             next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None))
+            for index in range(part.params.n):
+                mine = [d for d in deltas if d.index == index]
+                choice = {"index": part.first_index + index, "text": (part.echo or "") + "".join(d.text for d in mine),
+                          "logprobs": None, "finish_reason": mine[-1].finish_reason}
+                if part.params.logprobs is not None:
+                    choice["logprobs"] = self._completion_logprobs(
+                        (echoed or []) + [t for d in mine for t in d.logprobs or []])
+                choices.append(choice)
+            usages.append(_usage(deltas))
         return self._json({"id": response_id, "object": "text_completion", "created": int(time.time()),
-                           "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
+                           "model": self.model_name, "choices": choices, "usage": _sum_usage(usages)},
+                          inp.request_id)
 
     async def chat_completions(self, request: Request):
         body = parse_body(ChatRequest, await request.body())
@@ -355,10 +372,9 @@ class OpenAIServer:
         call = self._call(prompt_ids, params, inp)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return self._sse(request, call, response_id, inp.request_id,
-                             lambda delta, first: self._chat_chunk(delta, first),
+            return self._sse(request, [call], response_id, inp.request_id, [self._chat_chunk],
                              "chat.completion.chunk", include_usage)
-        deltas = await self._collect(request, call)
+        [deltas] = await self._collect(request, [call])
         choices = []
         for index in range(params.n):
             mine = [d for d in deltas if d.index == index]
@@ -400,11 +416,55 @@ class OpenAIServer:
         finally:
             call.close()
 
-    async def _collect(self, request: Request, call: GenerateCall) -> list[ChoiceDelta]:
-        return [delta async for delta in self._deltas(request, call)]
+    async def _collect(self, request: Request, calls: list[GenerateCall]) -> list[list[ChoiceDelta]]:
+        """Each call's deltas, the calls run side by side; one that fails stops the others (their calls are
+        aborted) and its error is raised."""
+        async def collect(call: GenerateCall) -> list[ChoiceDelta]:
+            return [delta async for delta in self._deltas(request, call)]
 
-    def _sse(self, request: Request, call: GenerateCall, response_id: str, request_id: str, chunk,
+        if len(calls) == 1:
+            return [await collect(calls[0])]
+        tasks = [asyncio.ensure_future(collect(call)) for call in calls]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _merged_deltas(self, request: Request, calls: list[GenerateCall]):
+        """(position of the call, delta) as each call's deltas come; as _collect, a failing call stops the rest."""
+        if len(calls) == 1:
+            async for delta in self._deltas(request, calls[0]):
+                yield 0, delta
+            return
+        arrivals: asyncio.Queue = asyncio.Queue()
+
+        async def pump(position: int, call: GenerateCall) -> None:
+            try:
+                async for delta in self._deltas(request, call):
+                    arrivals.put_nowait((position, delta))
+                arrivals.put_nowait((position, None))
+            except APIError as error:
+                arrivals.put_nowait((position, error))
+
+        tasks = [asyncio.ensure_future(pump(position, call)) for position, call in enumerate(calls)]
+        try:
+            running = len(calls)
+            while running:
+                position, item = await arrivals.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, APIError):
+                    raise item
+                else:
+                    yield position, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _sse(self, request: Request, calls: list[GenerateCall], response_id: str, request_id: str, chunks: list,
              obj: str, include_usage: bool) -> StreamingResponse:
+        """Streams the calls' deltas as server-sent events, chunks[i](delta, first) making call i's."""
         created = int(time.time())
 
         def frame(choices: list[dict], usage: dict | None = None) -> str:
@@ -415,27 +475,28 @@ class OpenAIServer:
             return f"data: {json.dumps(body)}\n\n"
 
         async def events():
-            started: set[int] = set()
-            deltas = []
+            started: set[tuple[int, int]] = set()
+            deltas: list[list[ChoiceDelta]] = [[] for _ in calls]
             try:
-                async for delta in self._deltas(request, call):
-                    deltas.append(delta)
-                    yield frame([chunk(delta, delta.index not in started)])
-                    started.add(delta.index)
+                async for position, delta in self._merged_deltas(request, calls):
+                    deltas[position].append(delta)
+                    yield frame([chunks[position](delta, (position, delta.index) not in started)])
+                    started.add((position, delta.index))
             except APIError as error:
                 body = {"error": {"message": str(error), "type": ERROR_TYPE.get(error.status, "error"),
                                   "param": error.param, "code": error.code}}
                 yield f"data: {json.dumps(body)}\n\n"
             else:
                 if include_usage:
-                    yield frame([], _usage(deltas))
+                    yield frame([], _sum_usage([_usage(mine) for mine in deltas]))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 
-    def _completion_chunk(self, delta: ChoiceDelta, echo: str | None, echoed: list[SampledToken] | None) -> dict:
+    def _completion_chunk(self, delta: ChoiceDelta, echo: str | None, echoed: list[SampledToken] | None,
+                          first_index: int) -> dict:
         tokens = (echoed or []) + (delta.logprobs or [])
-        return {"index": delta.index, "text": (echo or "") + delta.text,
+        return {"index": first_index + delta.index, "text": (echo or "") + delta.text,
                 "logprobs": self._completion_logprobs(tokens) if tokens else None,
                 "finish_reason": delta.finish_reason}
 
@@ -487,6 +548,21 @@ def _messages(messages: list[Message]) -> list[dict]:
             content = "".join(part.text for part in content)
         out.append({"role": message.role, "content": content or ""})
     return out
+
+
+@dataclasses.dataclass
+class _CompletionPart:
+    """One prompt of a completion request: its choices are first_index to first_index + n - 1."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str | None  # the prompt's text, with echo
+    first_index: int
+    prompt_logprobs: list[SampledToken] | None = None  # choice 0's, as they come (echo while streaming)
+
+
+def _sum_usage(usages: list[dict]) -> dict:
+    return {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 def _usage(deltas: list[ChoiceDelta]) -> dict:

@@ -172,11 +172,15 @@ def test_the_server_carries_on_after_bad_requests_and_refuses_them_on_grpc_too(a
     assert openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
 
 
-def test_a_client_that_disconnects_aborts_its_request(api_stack, openai_client):
-    stream = openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, stream=True,
+@pytest.mark.parametrize("prompts", [1, 3])
+def test_a_client_that_disconnects_aborts_its_requests(api_stack, openai_client, prompts):
+    stream = openai_client.completions.create(model=MODEL, prompt=[PROMPT] * prompts, max_tokens=2000, stream=True,
                                               extra_body={"ignore_eos": True})
     next(iter(stream))
-    assert num_running(api_stack) == 1
+    end = time.monotonic() + 10
+    while num_running(api_stack) < prompts and time.monotonic() < end:
+        time.sleep(0.05)
+    assert num_running(api_stack) == prompts
     stream.close()
     end = time.monotonic() + 10
     while num_running(api_stack) and time.monotonic() < end:
@@ -262,3 +266,37 @@ def test_metrics_count_each_request_and_show_the_back_ends_state(api_stack, open
         time.sleep(0.1)
         after = scrape(api_stack)
     assert state == [0, 0, 0]
+
+
+def test_a_list_of_prompts_answers_each_with_its_choices_in_order(api_stack, openai_client, tokenizer):
+    prompts = ["The three primary colors are", "Paris is the capital of", "One, two, three,"]
+    alone = [openai_client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True}) for p in prompts]
+    batch = openai_client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2,
+                                             extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 6 * 6
+
+    ids = [tokenizer.encode(p) for p in prompts[:2]]
+    streamed: dict[int, str] = {}
+    chunks = list(openai_client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True}))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
+    assert chunks[-1].usage.prompt_tokens == len(ids[0]) + len(ids[1]) and chunks[-1].usage.completion_tokens == 12
+
+
+def test_a_bad_prompt_in_a_list_refuses_the_request_naming_it(api_stack):
+    body = {"model": MODEL, "prompt": ["fine", "", "also fine"], "max_tokens": 2}
+    response = httpx.post(f"{api_stack.http_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith("prompt 1: ")
+    too_many = {"model": MODEL, "prompt": ["x"] * 257, "max_tokens": 1}
+    assert httpx.post(f"{api_stack.http_url}/v1/completions", json=too_many, timeout=60).status_code == 400
+    assert num_running(api_stack) == 0
