@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 # response_format json_object: any JSON object.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# Compiled grammars kept, by source: a schema's token masks take from kilobytes to a few megabytes.
+# Compiled grammars kept, by kind and source: a schema's token masks take from kilobytes to a few megabytes.
 MAX_CACHED_GRAMMARS = 256
 
 
@@ -77,7 +77,8 @@ class StructuredOutput:
         self._compiler = None
         # One thread: xgrammar spreads a compilation over threads of its own.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._grammars: OrderedDict[str, Future] = OrderedDict()  # by source, least recently used first
+        # By (kind, source), least recently used first.
+        self._grammars: OrderedDict[tuple[str, str], Future] = OrderedDict()
 
     def _grammar_compiler(self):
         if self._compiler is None:
@@ -91,20 +92,26 @@ class StructuredOutput:
             self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         return self._compiler
 
-    def _compile(self, source: str):
+    def _compile(self, kind: str, source: str):
+        compiler = self._grammar_compiler()
         try:
+            if kind == "regex":
+                return compiler.compile_regex(source)
+            if kind == "ebnf":
+                return compiler.compile_grammar(source)
             # No free whitespace between tokens: a sampled model could otherwise pad the JSON with blank
             # lines until max_tokens cuts it short of valid.
-            return self._grammar_compiler().compile_json_schema(source, any_whitespace=False)
+            return compiler.compile_json_schema(JSON_OBJECT_SCHEMA if kind == "json_object" else source,
+                                                any_whitespace=False)
         except RuntimeError as error:
-            raise GrammarError(f"json_schema cannot be compiled: {error}".strip()) from None
+            raise GrammarError(f"{kind} cannot be compiled: {error}".strip()) from None
 
     def grammar(self, params: SamplingParams) -> RequestGrammar:
         """A new request's grammar state; its grammar compiles in the background unless it already has."""
-        source = JSON_OBJECT_SCHEMA if params.json_object else params.json_schema
+        source = params.grammar()
         compiled = self._grammars.get(source)
         if compiled is None:
-            compiled = self._grammars[source] = self._pool.submit(self._compile, source)
+            compiled = self._grammars[source] = self._pool.submit(self._compile, *source)
             if len(self._grammars) > MAX_CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         else:

@@ -42,7 +42,7 @@ DISCONNECT_POLL_S = 0.5
 OPEN_PATHS = ("/health", "/metrics")
 # Request fields whose name differs on this API from the validation's (GenerateInput's).
 HTTP_PARAM = {"json_schema": "response_format", "json_object": "response_format", "request_id": "X-Request-Id",
-              "prompt_token_ids": "prompt"}
+              "prompt_token_ids": "prompt", "regex": "guided_regex", "choice": "guided_choice"}
 ERROR_STATUS = {"overloaded": 429, "error": 500, "unavailable": 503}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
               429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
@@ -106,6 +106,9 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     user: str | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -259,12 +262,15 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- generation
 
-    def _validate(self, inp: GenerateInput) -> tuple[list[int], Any]:
+    def _validate(self, inp: GenerateInput, body: _Sampling | None = None) -> tuple[list[int], Any]:
         try:
             return validate_and_tokenize(inp, self.tokenizer, self.max_model_len, self.vocab_size,
                                          max_prompt_chars=self.max_prompt_chars)
         except ValidationError as error:
-            raise APIError(400, str(error), HTTP_PARAM.get(error.field, error.field)) from None
+            param = HTTP_PARAM.get(error.field, error.field)
+            if error.field == "json_schema" and body is not None and body.guided_json is not None:
+                param = "guided_json"
+            raise APIError(400, str(error), param) from None
 
     def _sampling_input(self, body: _Sampling, request: Request) -> GenerateInput:
         self._check_model(body.model)
@@ -280,6 +286,15 @@ class OpenAIServer:
             if body.response_format.json_schema is None:
                 raise APIError(400, "response_format of type json_schema needs json_schema", "response_format")
             inp.json_schema = json.dumps(body.response_format.json_schema.schema_)
+        # vLLM's names for structured output (one kind per request: SamplingParams refuses a second).
+        guided = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(body, name) is not None]
+        if body.response_format is not None and body.response_format.type != "text":
+            guided.insert(0, "response_format")
+        if len(guided) > 1:
+            raise APIError(400, f"{' and '.join(guided)} are exclusive: one structure per request", guided[-1])
+        if body.guided_json is not None:
+            inp.json_schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        inp.regex, inp.choice = body.guided_regex, body.guided_choice
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream", "stream_options")
         return inp
@@ -304,7 +319,7 @@ class OpenAIServer:
             part_input = dataclasses.replace(inp, prompt=one if isinstance(one, str) else None,
                                              prompt_token_ids=None if isinstance(one, str) else one)
             try:
-                prompt_ids, params = self._validate(part_input)
+                prompt_ids, params = self._validate(part_input, body)
             except APIError as error:
                 if not batch:
                     raise
@@ -363,7 +378,7 @@ class OpenAIServer:
         if body.logprobs:
             inp.logprobs = body.top_logprobs or 0
         try:
-            prompt_ids, params = self._validate(inp)
+            prompt_ids, params = self._validate(inp, body)
         except APIError as error:
             if error.param == "logprobs":
                 error.param = "top_logprobs"

@@ -200,9 +200,10 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         priority=request.priority,
     )
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens",
-                 "repetition_penalty", "json_schema", "n", "prompt_logprobs"):
+                 "repetition_penalty", "json_schema", "n", "prompt_logprobs", "regex"):
         if sampling.HasField(name):
             setattr(inp, name, getattr(sampling, name))
+    inp.choice = list(sampling.choice) or None
     inp.presence_penalty = sampling.presence_penalty
     inp.frequency_penalty = sampling.frequency_penalty
     inp.logit_bias = dict(sampling.logit_bias)

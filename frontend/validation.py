@@ -51,6 +51,8 @@ class GenerateInput:
     logit_bias: dict = field(default_factory=dict)
     json_schema: str | None = None
     json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
     n: int = 1
     # Not a sampling parameter: it keeps requests apart in the prefix cache.
     cache_salt: str | None = None
@@ -137,7 +139,7 @@ def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
             include_stop_str_in_output=inp.include_stop_str_in_output, skip_special_tokens=inp.skip_special_tokens,
             presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
             repetition_penalty=inp.repetition_penalty, logit_bias=inp.logit_bias, json_schema=inp.json_schema,
-            json_object=inp.json_object, n=inp.n,
+            json_object=inp.json_object, regex=inp.regex, choice=inp.choice, n=inp.n,
         )
     except ValueError as e:
         # SamplingParams's messages start with the field name.
@@ -153,23 +155,29 @@ def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
     if beyond:
         raise ValidationError(
             "logit_bias", f"logit_bias token ids must be below the vocabulary size ({vocab_size}), got {beyond[0]}")
-    if params.json_schema is not None:
-        _check_json_schema(params.json_schema)
+    if params.structured:
+        _check_grammar(params)
     return params
 
 
-def _check_json_schema(schema: str) -> None:
+def _check_grammar(params: SamplingParams) -> None:
     """Refuses here what the executor's grammar compiler would refuse, so that it fails as a bad request."""
-    try:
-        json.loads(schema)
-    except ValueError as e:
-        raise ValidationError("json_schema", f"json_schema is not valid JSON: {e}") from None
+    kind, source = params.grammar()
+    if kind == "json_schema":
+        try:
+            json.loads(source)
+        except ValueError as e:
+            raise ValidationError("json_schema", f"json_schema is not valid JSON: {e}") from None
     import xgrammar  # only structured requests pay for the import
 
+    build = {"json_schema": xgrammar.Grammar.from_json_schema, "regex": xgrammar.Grammar.from_regex,
+             "ebnf": xgrammar.Grammar.from_ebnf}.get(kind)
     try:
-        xgrammar.Grammar.from_json_schema(schema)
+        if build is not None:
+            build(source)
     except RuntimeError as e:
-        raise ValidationError("json_schema", f"json_schema is not a usable schema: {str(e).strip()}") from None
+        field = "choice" if kind == "ebnf" else kind
+        raise ValidationError(field, f"{field} is not usable: {str(e).strip()}") from None
 
 
 def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_special_tokens: bool) -> list[int]:

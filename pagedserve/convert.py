@@ -61,6 +61,9 @@ def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | N
     if params.json_schema is not None:
         out.json_schema = params.json_schema
     out.json_object = params.json_object
+    if params.regex is not None:
+        out.regex = params.regex
+    out.choice[:] = params.choice or []
     if params.n != 1:
         out.n = params.n
     if params.prompt_logprobs is not None:
@@ -72,7 +75,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: 
     """Unset fields take SamplingParams' defaults; raises ValueError naming a bad field."""
     fields = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty", "json_schema",
-                 "n", "prompt_logprobs"):
+                 "n", "prompt_logprobs", "regex"):
         if message.HasField(name):
             fields[name] = getattr(message, name)
     fields["max_tokens"] = message.max_tokens if message.HasField("max_tokens") else default_max_tokens
@@ -85,6 +88,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: 
         frequency_penalty=message.frequency_penalty,
         logit_bias=dict(message.logit_bias),
         json_object=message.json_object,
+        choice=list(message.choice) or None,
     )
 
 

@@ -5,6 +5,7 @@ Validated on construction so that a bad value fails where the user wrote it, wit
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 # Beyond this many top logprobs per token the cost is all copying; vLLM caps at 20 as well.
@@ -15,6 +16,8 @@ MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_PENALTY = 2.0
+# A choice request's strings become one grammar, compiled per request.
+MAX_CHOICES = 256
 # Siblings share one prompt's prefill; each is a request of its own in the back end.
 MAX_N = 16
 # Seeds are int64 on the wire.
@@ -50,6 +53,10 @@ class SamplingParams:
     # object with json_object; the executor masks every token the grammar does not allow.
     json_schema: str | None = None
     json_object: bool = False
+    # Or the output matches this regular expression, or is exactly one of these strings (vLLM's guided_regex
+    # and guided_choice); at most one kind of structure per request.
+    regex: str | None = None
+    choice: list[str] | None = None
     # Choices from one prompt. The frontend turns them into n requests of one choice each (sharing the
     # prompt's KV blocks); the scheduler and the executor only ever see n = 1.
     n: int = 1
@@ -114,14 +121,27 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= MAX_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
         self._check_logit_bias()
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
-            raise ValueError(f"json_schema must be a JSON text, got {type(self.json_schema).__name__}")
-        _check_bool("json_object", self.json_object)
-        if self.json_object and self.json_schema is not None:
-            raise ValueError("json_object and json_schema are exclusive")
+        self._check_structure()
         _check_int("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+
+    def _check_structure(self) -> None:
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError(f"json_schema must be a JSON text, got {type(self.json_schema).__name__}")
+        _check_bool("json_object", self.json_object)
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("regex must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("choice must be a list of non-empty strings")
+            if not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise ValueError(f"choice takes 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
+            self.choice = list(self.choice)
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} are exclusive: one structure per request")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -158,7 +178,19 @@ class SamplingParams:
 
     @property
     def structured(self) -> bool:
-        return self.json_object or self.json_schema is not None
+        return self.json_object or self.json_schema is not None or self.regex is not None or self.choice is not None
+
+    def grammar(self) -> tuple[str, str]:
+        """A structured request's grammar as (kind, source): ("json_schema", schema text), ("json_object", ""),
+        ("regex", pattern) or ("ebnf", the grammar of the choices: one string literal each)."""
+        if self.json_object:
+            return "json_object", ""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.regex is not None:
+            return "regex", self.regex
+        # JSON string literals are xgrammar's EBNF literals (the same escapes).
+        return "ebnf", "root ::= " + " | ".join(json.dumps(choice) for choice in self.choice)
 
     @property
     def needs_token_history(self) -> bool:

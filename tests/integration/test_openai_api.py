@@ -137,6 +137,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -1}, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_regex": "[a-"}, "guided_regex"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_choice": ["a", ""]}, "guided_choice"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_json": {"type": 5}}, "guided_json"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}},
+     "guided_regex"),
     # No tool-call parser: tools are refused, not silently left out of the prompt.
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -94,6 +95,7 @@ class HttpApi(Api):
     echoes_text = True
     OPENAI_FIELDS = {"temperature", "top_p", "seed", "n", "stop", "max_tokens", "presence_penalty",
                      "frequency_penalty", "logit_bias"}
+    VLLM_NAMES = {"regex": "guided_regex", "choice": "guided_choice"}  # (the gRPC API's names on the left)
 
     def __init__(self, client, stack) -> None:
         self.client, self.stack = client, stack
@@ -102,7 +104,8 @@ class HttpApi(Api):
                  echo: bool = False, request_id: str | None = None, json_schema: dict | None = None,
                  json_object: bool = False, **params) -> Result:
         kwargs = {name: value for name, value in params.items() if name in self.OPENAI_FIELDS}
-        extra = {name: value for name, value in params.items() if name not in self.OPENAI_FIELDS}
+        extra = {self.VLLM_NAMES.get(name, name): value for name, value in params.items()
+                 if name not in self.OPENAI_FIELDS}
         if "logit_bias" in kwargs:
             kwargs["logit_bias"] = {str(token): bias for token, bias in kwargs["logit_bias"].items()}
         response_format = ({"type": "json_schema", "json_schema": {"name": "output", "schema": json_schema}}
@@ -422,6 +425,29 @@ def check_json_schema(api, ref):
     jsonschema.validate(json.loads(sampled.text), PERSON_SCHEMA)
 
 
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+CAPITAL_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def check_regex(api, ref):
+    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 0}):
+        result = api.complete(messages=JSON_CHAT, max_tokens=32, regex=PHONE, **params)
+        assert re.fullmatch(PHONE, result.text) and result.finish_reason == "stop", result.text
+    plain = api.complete(messages=JSON_CHAT, temperature=0, max_tokens=32)
+    assert not re.fullmatch(PHONE, plain.text), "unconstrained, the model answers otherwise"
+
+
+def check_choice(api, ref):
+    cities = ["London", "Paris", "Berlin"]
+    greedy = api.complete(messages=CAPITAL_CHAT, temperature=0, max_tokens=16, choice=cities)
+    assert greedy.text in cities and greedy.finish_reason == "stop", greedy.text
+    plain = api.complete(messages=CAPITAL_CHAT, temperature=0, max_tokens=16)
+    assert plain.text not in cities, "unconstrained, the model answers in a sentence"
+    odd = ["a-b", 'say "hi"', "naïve"]  # quotes, and a character past ASCII, go through the grammar as they are
+    sampled = [api.complete(PROMPT, temperature=1.5, seed=seed, max_tokens=16, choice=odd).text for seed in range(4)]
+    assert set(sampled) <= set(odd), sampled
+
+
 PARAMETERS = {
     "temperature": check_temperature,
     "top_p": check_top_p,
@@ -443,6 +469,8 @@ PARAMETERS = {
     "X-Request-Id": check_request_id,
     "response_format-json_object": check_json_object,
     "response_format-json_schema": check_json_schema,
+    "guided_regex": check_regex,
+    "guided_choice": check_choice,
 }
 
 

@@ -208,6 +208,8 @@ def test_default_sampling_fields_take_vllm_defaults():
 
     params = convert.sampling_from_proto(common_pb2.SamplingParams())
     assert params == SamplingParams()
+    for structured in (SamplingParams(regex="[0-9]+"), SamplingParams(choice=["a", "b c"])):
+        assert convert.sampling_from_proto(convert.sampling_to_proto(structured)) == structured
 
 
 def test_a_negative_lookahead_is_refused_by_name():

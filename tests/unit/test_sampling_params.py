@@ -24,6 +24,7 @@ def test_defaults_are_vllms():
     ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", 1.0),
     ("stop", "STOP"), ("stop", [""]), ("stop", ["ok", 3]), ("stop", ["s"] * (MAX_STOP_STRINGS + 1)),
     ("include_stop_str_in_output", 1), ("skip_special_tokens", "yes"),
+    ("regex", ""), ("regex", 5), ("choice", []), ("choice", ["a", ""]), ("choice", "ab"), ("choice", ["a"] * 257),
 ])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):
@@ -49,3 +50,18 @@ def test_each_choice_runs_alone_seeded_apart_and_only_the_first_asks_for_the_pro
     assert [c.prompt_logprobs for c in choices] == [2, None, None]
     assert all(c.temperature == 0.7 for c in choices)
     assert SamplingParams(n=2).for_choice(1).seed is None
+
+
+def test_one_structure_per_request_and_its_grammar():
+    with pytest.raises(ValueError, match="^regex and choice are exclusive"):
+        SamplingParams(regex="a+", choice=["a"])
+    with pytest.raises(ValueError, match="^json_schema and json_object are exclusive"):
+        SamplingParams(json_schema="{}", json_object=True)
+    assert not SamplingParams().structured
+    assert SamplingParams(regex="[0-9]+").grammar() == ("regex", "[0-9]+")
+    assert SamplingParams(json_object=True).grammar() == ("json_object", "")
+    assert SamplingParams(json_schema='{"type": "string"}').grammar() == ("json_schema", '{"type": "string"}')
+    # Each choice one string literal, its quotes and backslashes escaped.
+    choice = SamplingParams(choice=["yes", 'say "no"', "a\\b"])
+    assert choice.structured and choice.needs_token_history
+    assert choice.grammar() == ("ebnf", 'root ::= "yes" | "say \\"no\\"" | "a\\\\b"')
