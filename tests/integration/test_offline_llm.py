@@ -221,7 +221,7 @@ def test_a_compiling_grammar_holds_up_no_other_request(smollm2, monkeypatch):
     release = threading.Event()
     structured_output = smollm2.runner.structured_output
     compile_grammar = structured_output._compile
-    monkeypatch.setattr(structured_output, "_compile", lambda source: (release.wait(120), compile_grammar(source))[1])
+    monkeypatch.setattr(structured_output, "_compile", lambda *source: (release.wait(120), compile_grammar(*source))[1])
     scheduler = smollm2.scheduler
     recomputed = scheduler.num_recomputed_tokens
     plain_params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
