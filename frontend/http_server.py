@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 # Prompts one completion request may hold (each is a request of its own to the scheduler).
 MAX_PROMPTS = 256
-# How often a waiting request checks that its client is still connected.
+# How often a request checks that its client is still connected; what its reader then finds in its inbox.
 DISCONNECT_POLL_S = 0.5
+DISCONNECTED = object()
 # Served without an API key, as vLLM serves them: a load balancer's health check and a Prometheus scrape.
 OPEN_PATHS = ("/health", "/metrics")
 # Request fields whose name differs on this API from the validation's (GenerateInput's).
@@ -52,6 +53,33 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
+
+
+async def _watch_disconnect(request: Request, call: GenerateCall) -> None:
+    """Aborts the call, and wakes its reader, once the client has gone."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    call.abort()
+    call.inbox.queue.put_nowait(DISCONNECTED)
+
+
+class ApiKeyMiddleware:
+    """Refuses a request without a valid `authorization` header (401), but on OPEN_PATHS. Plain ASGI: starlette's
+    BaseHTTPMiddleware (@app.middleware) passes every chunk of a streamed response through a stream and a task
+    of its own."""
+
+    def __init__(self, app, api_key_ok: Callable[[str], bool]) -> None:
+        self.app, self.api_key_ok = app, api_key_ok
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not self.api_key_ok(authorization.decode("latin-1")):
+                response = error_response(401, "a valid API key is required: authorization: Bearer <key>",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -184,13 +212,8 @@ class OpenAIServer:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="pagedserve", openapi_url=None, docs_url=None, redoc_url=None)
 
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            if self.api_key_ok is not None and request.url.path not in OPEN_PATHS:
-                if not self.api_key_ok(request.headers.get("authorization", "")):
-                    return error_response(401, "a valid API key is required: authorization: Bearer <key>",
-                                          code="invalid_api_key")
-            return await call_next(request)
+        if self.api_key_ok is not None:
+            app.add_middleware(ApiKeyMiddleware, api_key_ok=self.api_key_ok)
 
         @app.exception_handler(APIError)
         async def api_error(_request, error: APIError):
@@ -414,21 +437,20 @@ class OpenAIServer:
         return JSONResponse(body, headers={"X-Request-Id": request_id})
 
     async def _deltas(self, request: Request, call: GenerateCall):
-        """The call's deltas as they come; aborts the call when the client disconnects."""
+        """The call's deltas as they come; aborts the call when the client disconnects. A watcher looks every
+        DISCONNECT_POLL_S: a timeout on each wait for an output would cost a timer (wait_for: a task) per token."""
+        watcher = asyncio.ensure_future(_watch_disconnect(request, call))
         try:
             call.start()
             while not call.finished:
-                try:
-                    output = await asyncio.wait_for(call.inbox.queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        call.abort()
-                        return
-                    continue
+                output = await call.inbox.queue.get()
+                if output is DISCONNECTED:
+                    return
                 yield call.process(output)
         except GenerateError as error:
             raise APIError(ERROR_STATUS[error.kind], str(error)) from None
         finally:
+            watcher.cancel()
             call.close()
 
     async def _collect(self, request: Request, calls: list[GenerateCall]) -> list[list[ChoiceDelta]]:
@@ -480,14 +502,14 @@ class OpenAIServer:
     def _sse(self, request: Request, calls: list[GenerateCall], response_id: str, request_id: str, chunks: list,
              obj: str, include_usage: bool) -> StreamingResponse:
         """Streams the calls' deltas as server-sent events, chunks[i](delta, first) making call i's."""
-        created = int(time.time())
+        # Every event is this head, its choices and (with include_usage) its usage: only those are encoded per
+        # event, the same JSON as encoding the whole object.
+        head = json.dumps({"id": response_id, "object": obj, "created": int(time.time()), "model": self.model_name})
+        head = f"data: {head[:-1]}, \"choices\": "
 
         def frame(choices: list[dict], usage: dict | None = None) -> str:
-            body = {"id": response_id, "object": obj, "created": created, "model": self.model_name,
-                    "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
+            tail = f", \"usage\": {json.dumps(usage)}}}\n\n" if include_usage else "}\n\n"
+            return head + json.dumps(choices) + tail
 
         async def events():
             started: set[tuple[int, int]] = set()

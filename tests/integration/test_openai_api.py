@@ -195,6 +195,16 @@ def test_a_client_that_disconnects_aborts_its_requests(api_stack, openai_client,
     assert num_running(api_stack) == 0
 
 
+def test_a_client_that_gives_up_on_a_whole_response_aborts_its_request(api_stack):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{api_stack.http_url}/v1/completions", json=body, timeout=2)
+    end = time.monotonic() + 10
+    while num_running(api_stack) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert num_running(api_stack) == 0
+
+
 def _check_json(text: str, schema: dict) -> None:
     jsonschema.validate(json.loads(text), schema)
 
