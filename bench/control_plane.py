@@ -12,7 +12,10 @@ a thread cannot take back the priority it gave up). Writes bench/results/control
 
     python bench/control_plane.py [--sleep-ms 5] [--requests 256] [--window 20] [--only-async]
                                   [--stream-intervals 4,16] [--control-plane-cpus 0]
-                                  [--frontend-nice 10 [--clients-nice 19]] [--name control_plane]
+                                  [--frontend-nice 10 [--clients-nice 19]] [--api grpc|http] [--name control_plane]
+
+With --api http the clients stream completions from the OpenAI API as server-sent events instead (httpx, on
+the same one thread); messages_per_step then counts events.
 
 The clients are asyncio streams on one thread of this process, so that the load generator takes as little of
 the machine's cores as it can (its CPU is recorded too).
@@ -57,6 +60,7 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
     """args.requests streams on a stack of `executors` sleeping executors, measured over args.window seconds
     once all of them run."""
     import grpc
+    import httpx
 
     from pagedserve.client import build_request
     from pagedserve.config import PagedServeConfig, format_cpu_list
@@ -84,13 +88,23 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
                 received[0] += len(response.token_ids)
                 received[1] += 1
 
+        async def consume_http(client, i: int, max_tokens: int) -> None:
+            body = {"prompt": [1 + i % 100] * prompt_len, "max_tokens": max_tokens, "ignore_eos": True,
+                    "temperature": 0.0, "stream": True}
+            async with client.stream("POST", f"{stack.http_url}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):  # (an event's tokens are not counted: that takes parsing it)
+                        received[1] += 1
+
         async def load() -> None:
-            async with grpc.aio.insecure_channel(stack.address) as channel:
+            async with grpc.aio.insecure_channel(stack.address) as channel, \
+                    httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=args.requests)) as client:
                 stub = generate_pb2_grpc.GenerationStub(channel)
                 info = await stub.GetModelInfo(generate_pb2.ModelInfoRequest(), timeout=60)
                 # Long enough to outlast the window at the rate steps can possibly go (within the context).
                 max_tokens = min(int(1.2 * args.window * 1000 / args.sleep_ms) + 100, info.max_model_len - prompt_len)
-                streams = [asyncio.ensure_future(consume(stub, i, max_tokens)) for i in range(args.requests)]
+                streams = [asyncio.ensure_future(consume_http(client, i, max_tokens) if args.api == "http"
+                                                 else consume(stub, i, max_tokens)) for i in range(args.requests)]
                 await stop.wait()
                 for stream in streams:
                     stream.cancel()
@@ -117,7 +131,8 @@ def run(args, async_scheduling: bool, executors: int = 1, stream_interval: int =
     wall = t1 - t0
     return {
         "busy_fraction": round(steps * args.sleep_ms / 1e3 / wall, 4),
-        "steps": steps, "window_s": round(wall, 2), "tokens_per_s": round((tokens1 - tokens0) / wall, 1),
+        "steps": steps, "window_s": round(wall, 2),
+        "tokens_per_s": round((tokens1 - tokens0) / wall, 1) if args.api == "grpc" else None,
         "step_ms": round(wall / steps * 1e3, 3) if steps else None,
         # Fewer than the running requests when the frontend or a client falls behind and joins steps' tokens.
         "messages_per_step": round((messages1 - messages0) / steps, 1) if steps else None,
@@ -147,10 +162,13 @@ def main() -> None:
                         help="also run the planned-ahead load (last) with the frontend at this nice")
     parser.add_argument("--clients-nice", type=int, default=19,
                         help="the clients' thread's nice in that run (it keeps it: the run comes last)")
+    parser.add_argument("--api", default="grpc", choices=["grpc", "http"],
+                        help="the clients' API: gRPC Generate streams, or the OpenAI API's server-sent events")
     parser.add_argument("--name", default="control_plane", help="result file name under bench/results/")
     args = parser.parse_args()
 
-    metrics = {"sleep_ms": args.sleep_ms, "running": args.requests, "control_plane_cpus": args.control_plane_cpus}
+    metrics = {"sleep_ms": args.sleep_ms, "running": args.requests, "control_plane_cpus": args.control_plane_cpus,
+               "api": args.api}
     ratios = {}
 
     def pin(interval: int) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from frontend.metrics import FrontendMetrics
 from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import RequestOutput, SampledToken
+from pagedserve.step import RequestOutput, SampledToken, join_outputs
 
 # The finish reasons of a request that failed, with the message its error has when the back end gave none.
 FAILURES = {
@@ -141,6 +141,22 @@ class GenerateCall:
                 if request_id not in self.ended:
                     self.metrics.ended_request(self.times[index], self.failure or "abort")
             self.times = None
+
+
+def with_the_rest(output, inbox: asyncio.Queue) -> list:
+    """The output with those that came after it, joined per request: a client that reads slower than the
+    steps come gets fewer, bigger messages rather than a growing backlog. Anything else (None: the link
+    closed; a reader's own marker) ends the batch and stays in the inbox for the next round."""
+    if not isinstance(output, RequestOutput):
+        return [output]
+    outputs = [output]
+    while not inbox.empty():
+        more = inbox.get_nowait()
+        if not isinstance(more, RequestOutput):
+            inbox.put_nowait(more)
+            break
+        outputs.append(more)
+    return join_outputs(outputs)
 
 
 class AsyncInbox:

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError
+from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import FrontendMetrics
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.sampling_params import SamplingParams
@@ -443,10 +443,10 @@ class OpenAIServer:
         try:
             call.start()
             while not call.finished:
-                output = await call.inbox.queue.get()
-                if output is DISCONNECTED:
-                    return
-                yield call.process(output)
+                for output in with_the_rest(await call.inbox.queue.get(), call.inbox.queue):
+                    if output is DISCONNECTED:
+                        return
+                    yield call.process(output)
         except GenerateError as error:
             raise APIError(ERROR_STATUS[error.kind], str(error)) from None
         finally:

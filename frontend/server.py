@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError
+from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import BackendStats, FrontendMetrics
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.convert import FINISH_REASONS, sampling_to_proto, scheduler_update_from_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.step import join_outputs
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2
 
 logger = logging.getLogger(__name__)
@@ -267,7 +266,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     call.start()
                     while not call.finished:
                         output = await call.inbox.queue.get()
-                        for output in _with_the_rest(output, call.inbox.queue):
+                        for output in with_the_rest(output, call.inbox.queue):
                             yield _response(request_id, call.process(output))
                 except GenerateError as error:
                     await context.abort(GRPC_CODES[error.kind], str(error))
@@ -275,22 +274,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     call.close()
         finally:
             self.in_flight.discard(request_id)
-
-
-def _with_the_rest(output, inbox: asyncio.Queue) -> list:
-    """The output with those that came after it, joined per request: a client that reads slower than the
-    steps come gets fewer, bigger messages rather than a growing backlog. None (the link closed) stays in
-    the inbox for the next round."""
-    if output is None:
-        return [None]
-    outputs = [output]
-    while not inbox.empty():
-        more = inbox.get_nowait()
-        if more is None:
-            inbox.put_nowait(None)
-            break
-        outputs.append(more)
-    return join_outputs(outputs)
 
 
 def _response(request_id: str, delta) -> generate_pb2.GenerateResponse:
