@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, model_name, parse
 from pagedserve.service import AioService, Security, channel, configure_logging, pin_to_cpus, set_nice
-from pagedserve.v1 import generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "cpus", "nice", "scheduler", "startup_timeout", "max_streams",
@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(serving.log_level)
     pin_to_cpus(serving.cpus)
     set_nice(serving.nice)
+    from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
+    from grpc_reflection.v1alpha import reflection
     from transformers import AutoTokenizer
 
     from frontend.metrics import FrontendMetrics
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
                if serving.http_address else None)
     servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars, serving.max_streams, metrics)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
+    # Tools such as grpcurl list and call the public API by reflection (with an API key where one is required).
+    reflection.enable_server_reflection(
+        (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name, HEALTH_SERVICE, reflection.SERVICE_NAME),
+        service.server)
     http = None
     if serving.http_address:
         from frontend.http_server import HttpServer, OpenAIServer

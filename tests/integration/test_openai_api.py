@@ -317,3 +317,17 @@ def test_a_bad_prompt_in_a_list_refuses_the_request_naming_it(api_stack):
     too_many = {"model": MODEL, "prompt": ["x"] * 257, "max_tokens": 1}
     assert httpx.post(f"{api_stack.http_url}/v1/completions", json=too_many, timeout=60).status_code == 400
     assert num_running(api_stack) == 0
+
+
+def test_the_grpc_api_answers_reflection(api_stack):
+    """As grpcurl asks: the services, then the Generation service's methods and their messages."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(api_stack.address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= set(database.get_services())
+        generation = DescriptorPool(database).FindServiceByName("pagedserve.v1.Generation")
+        methods = {method.name: method for method in generation.methods}
+    assert set(methods) == {"Generate", "GetModelInfo"}
+    assert methods["Generate"].input_type.fields_by_name["sampling"].message_type.fields_by_name["regex"]
