@@ -309,7 +309,8 @@ class OpenAIServer:
             if body.response_format.json_schema is None:
                 raise APIError(400, "response_format of type json_schema needs json_schema", "response_format")
             inp.json_schema = json.dumps(body.response_format.json_schema.schema_)
-        # vLLM's names for structured output (one kind per request: SamplingParams refuses a second).
+        # vLLM's names for structured output. One kind per request, refused here for a second so that the 400
+        # names the HTTP field (SamplingParams would name its own).
         guided = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(body, name) is not None]
         if body.response_format is not None and body.response_format.type != "text":
             guided.insert(0, "response_format")
