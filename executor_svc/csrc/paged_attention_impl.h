@@ -123,26 +123,15 @@ static inline VS fold(VV v) {
     return v;
 }
 
-// Lane i of the result is the sum of lanes 2i and 2i + 1 of x ++ y.
-template <int N, typename VV>
-static inline VV pair_sum_n(VV x, VV y) {
-  if constexpr (N == 16)
-    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  else if constexpr (N == 8)
-    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14) +
-           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
+// The pair sums of x and y, each 128-bit half on its own: in each half, x's two pairs, then y's. The shuffles
+// stay within the halves (one VSHUFPS each with AVX2; shuffles across them are VPERMDs, slower, their index
+// vectors taking registers).
+template <typename VV>
+static inline VV pair_sums(VV x, VV y) {
+  if constexpr (sizeof(VV) == 32)
+    return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
   else
     return __builtin_shufflevector(x, y, 0, 2, 4, 6) + __builtin_shufflevector(x, y, 1, 3, 5, 7);
-}
-static inline V pair_sum(V x, V y) { return pair_sum_n<W>(x, y); }
-
-// Lane j of the result is the horizontal sum of p[j] (p is consumed): W sums for W - 1 pair_sums, with no
-// store and reload of the scalars.
-static inline V transpose_sum(V* p) {
-  for (int n = W; n > 1; n /= 2)
-    for (int i = 0; i < n / 2; i++) p[i] = pair_sum(p[2 * i], p[2 * i + 1]);
-  return p[0];
 }
 static inline float hmax(V v) { return hmax_n<W>(v); }
 
@@ -268,17 +257,28 @@ template <int NR>
 constexpr int pv_vecs() { return NR == 1 ? 8 : 4; }
 
 // Lane j (j < KB) of the result is the horizontal sum of p[j] (p is consumed). A 16-lane vector is folded to
-// 8 lanes first: the shuffles of the tree then move half the bits.
-template <int KB>
-static inline VS sum_keys(V* p) {
-  static_assert(KB <= SW, "at most a score vector's lanes of keys");
-  VS h[KB];
+// 8 lanes first: the shuffles of the tree then move half the bits. The tree sums within 128-bit halves and
+// adds the halves last: key j's sum is ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)) of its 8 lanes
+// (4 lanes: the first half).
+// (VV is VS, a parameter so that the branches not taken, whose shuffles only fit 8 lanes, are not compiled.)
+template <typename VV>
+static inline VV sum_four_keys(const VV* k) {  // lane j of each half: key j's sum of that half's lanes
+  return pair_sums(pair_sums(k[0], k[1]), pair_sums(k[2], k[3]));
+}
+template <int KB, typename VV = VS>
+static inline VV sum_keys(V* p) {
+  static_assert(KB == 4 || KB == SW, "four keys or a score vector's lanes of them");
+  VV h[KB];
   for (int j = 0; j < KB; j++) h[j] = fold(p[j]);
-  for (int n = KB; n > 1; n /= 2)
-    for (int i = 0; i < n / 2; i++) h[i] = pair_sum_n<SW>(h[2 * i], h[2 * i + 1]);
-  VS s = h[0];
-  for (int n = KB; n < SW; n *= 2) s = pair_sum_n<SW>(s, s);
-  return s;
+  const VV a = sum_four_keys(h);
+  if constexpr (SW == 4) {
+    return a;
+  } else if constexpr (KB == 4) {
+    return a + __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+  } else {
+    const VV b = sum_four_keys(h + 4);
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
 }
 
 #if defined(PAGED_BF16_DOT)
