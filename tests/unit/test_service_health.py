@@ -6,8 +6,9 @@ import threading
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+import pagedserve.service
 from pagedserve.service import HEALTH_POLL_S, LIVENESS_SERVICE, Service, channel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -122,6 +123,81 @@ class Requests:
 
     def idle(self) -> bool:
         return self.in_flight == 0
+
+
+class ObservedHealth(health.HealthServicer):
+    """The health service, counting its Checks, and able to hang: while hung, Check answers late and Watch
+    not at all, until the hang ends (as a process stuck for a while would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+        self.hung = threading.Event()
+        self.held_watches = []
+
+    def Check(self, request, context):
+        self.checks += 1
+        if self.hung.is_set():
+            time.sleep(2 * pagedserve.service.HEALTH_TIMEOUT_S)
+        return super().Check(request, context)
+
+    def Watch(self, request, context, send_response_callback=None):
+        if self.hung.is_set():
+            self.held_watches.append((request, context, send_response_callback))
+            return None
+        return super().Watch(request, context, send_response_callback)
+
+    def recover(self) -> None:
+        self.hung.clear()
+        for held in self.held_watches:
+            super().Watch(*held)
+
+
+class ObservedService(Service):
+    @staticmethod
+    def _make_server(options, security, public, max_workers):
+        server, _ = Service._make_server(options, security, public, max_workers)
+        return server, ObservedHealth()
+
+
+def test_dependencies_are_watched_not_polled_and_a_change_arrives_at_once():
+    executor = ObservedService("executor", "127.0.0.1", 0)
+    executor.start()
+    scheduler = Service("scheduler", "127.0.0.1", 0, dependencies={"executor": executor.address})
+    scheduler.start()
+    try:
+        assert status(scheduler.address) == SERVING
+        checks = executor.health.checks
+        time.sleep(6 * HEALTH_POLL_S)
+        assert executor.health.checks == checks, "a healthy dependency is not polled"
+        executor.health.set("", NOT_SERVING)
+        assert becomes(scheduler.address, NOT_SERVING, timeout=1.0)
+        executor.health.set("", SERVING)
+        assert becomes(scheduler.address, SERVING, timeout=1.0)
+        executor.server.stop(0).wait()  # the stream breaks with the process
+        assert becomes(scheduler.address, NOT_SERVING, timeout=1.0)
+    finally:
+        scheduler.stop(grace=0)
+        executor.stop(grace=0)
+
+
+def test_a_dependency_that_hangs_is_down_until_it_answers_again(monkeypatch):
+    monkeypatch.setattr(pagedserve.service, "HEALTH_CHECK_EVERY_S", 0.2)
+    executor = ObservedService("executor", "127.0.0.1", 0)
+    executor.start()
+    scheduler = Service("scheduler", "127.0.0.1", 0, dependencies={"executor": executor.address})
+    scheduler.start()
+    try:
+        assert status(scheduler.address) == SERVING
+        executor.health.hung.set()  # its open stream stays open, answering nothing
+        assert becomes(scheduler.address, NOT_SERVING)
+        time.sleep(4 * HEALTH_POLL_S)
+        assert status(scheduler.address) == NOT_SERVING, "a stream opened during the hang has not answered"
+        executor.health.recover()
+        assert becomes(scheduler.address, SERVING)
+    finally:
+        scheduler.stop(grace=0)
+        executor.stop(grace=0)
 
 
 def test_a_drain_is_not_serving_until_its_requests_finish_and_a_dependency_does_not_undo_it():
