@@ -203,9 +203,8 @@ class DependencyWatcher:
         self.threads.append(threading.Thread(target=self._backstop, name="dependency-health", daemon=True))
 
     def check(self) -> None:
-        """Asks every dependency once (Check), and reports."""
-        for name, stub in self.stubs.items():
-            self._set(name, self._serving(stub))
+        """Asks every dependency once (Check), and reports once for all of them."""
+        self._set({name: self._serving(stub) for name, stub in self.stubs.items()})
 
     @staticmethod
     def _serving(stub) -> bool:
@@ -215,9 +214,9 @@ class DependencyWatcher:
             return False
         return status == health_pb2.HealthCheckResponse.SERVING
 
-    def _set(self, name: str, serving: bool) -> None:
+    def _set(self, serving: dict[str, bool]) -> None:
         with self.lock:
-            self.serving[name] = serving
+            self.serving.update(serving)
             down = [n for n, up in self.serving.items() if not up]
             if down != self.down:
                 self.down = down
@@ -237,19 +236,19 @@ class DependencyWatcher:
                 stream.cancel()
             try:
                 for response in stream:
-                    self._set(name, response.status == health_pb2.HealthCheckResponse.SERVING)
+                    self._set({name: response.status == health_pb2.HealthCheckResponse.SERVING})
             except grpc.RpcError:
                 pass
             if self.stopped.is_set():
                 return
-            self._set(name, False)
+            self._set({name: False})
             self.stopped.wait(HEALTH_POLL_S)
 
     def _backstop(self) -> None:
         while not self.stopped.wait(HEALTH_CHECK_EVERY_S):
             for name, stub in self.stubs.items():
                 if not self._serving(stub):
-                    self._set(name, False)
+                    self._set({name: False})
                     with self.lock:
                         stream = self.streams.get(name)
                     if stream is not None:
