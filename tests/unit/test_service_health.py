@@ -2,6 +2,7 @@
 SERVING again once it is back on the same address; and while it drains, whatever its dependencies do."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -160,13 +161,24 @@ class ObservedService(Service):
         return server, ObservedHealth()
 
 
-def test_dependencies_are_watched_not_polled_and_a_change_arrives_at_once():
-    executor = ObservedService("executor", "127.0.0.1", 0)
+@contextlib.contextmanager
+def executor_and_scheduler(executor_cls=ObservedService):
+    """An executor (observed, by default) and a scheduler that needs it, both started and SERVING; stopped
+    after."""
+    executor = executor_cls("executor", "127.0.0.1", 0)
     executor.start()
     scheduler = Service("scheduler", "127.0.0.1", 0, dependencies={"executor": executor.address})
     scheduler.start()
     try:
         assert status(scheduler.address) == SERVING
+        yield executor, scheduler
+    finally:
+        scheduler.stop(grace=0)
+        executor.stop(grace=0)
+
+
+def test_dependencies_are_watched_not_polled_and_a_change_arrives_at_once():
+    with executor_and_scheduler() as (executor, scheduler):
         checks = executor.health.checks
         time.sleep(6 * HEALTH_POLL_S)
         assert executor.health.checks == checks, "a healthy dependency is not polled"
@@ -176,37 +188,22 @@ def test_dependencies_are_watched_not_polled_and_a_change_arrives_at_once():
         assert becomes(scheduler.address, SERVING, timeout=1.0)
         executor.server.stop(0).wait()  # the stream breaks with the process
         assert becomes(scheduler.address, NOT_SERVING, timeout=1.0)
-    finally:
-        scheduler.stop(grace=0)
-        executor.stop(grace=0)
 
 
 def test_a_dependency_that_hangs_is_down_until_it_answers_again(monkeypatch):
     monkeypatch.setattr(pagedserve.service, "HEALTH_CHECK_EVERY_S", 0.2)
-    executor = ObservedService("executor", "127.0.0.1", 0)
-    executor.start()
-    scheduler = Service("scheduler", "127.0.0.1", 0, dependencies={"executor": executor.address})
-    scheduler.start()
-    try:
-        assert status(scheduler.address) == SERVING
+    with executor_and_scheduler() as (executor, scheduler):
         executor.health.hung.set()  # its open stream stays open, answering nothing
         assert becomes(scheduler.address, NOT_SERVING)
         time.sleep(4 * HEALTH_POLL_S)
         assert status(scheduler.address) == NOT_SERVING, "a stream opened during the hang has not answered"
         executor.health.recover()
         assert becomes(scheduler.address, SERVING)
-    finally:
-        scheduler.stop(grace=0)
-        executor.stop(grace=0)
 
 
 def test_a_drain_is_not_serving_until_its_requests_finish_and_a_dependency_does_not_undo_it():
-    dependency = Service("executor", "127.0.0.1", 0)
-    dependency.start()
-    service = Service("scheduler", "127.0.0.1", 0, dependencies={"executor": dependency.address})
-    service.start()
-    try:
-        assert status(service.address) == SERVING and liveness(service.address) == SERVING
+    with executor_and_scheduler(Service) as (dependency, service):
+        assert liveness(service.address) == SERVING
         requests = Requests(in_flight=1)
         done = threading.Event()
         threading.Thread(target=lambda: done.set() if service.drain(requests, timeout=30) else None).start()
@@ -221,9 +218,6 @@ def test_a_drain_is_not_serving_until_its_requests_finish_and_a_dependency_does_
         assert not done.is_set()
         requests.in_flight = 0
         assert done.wait(5)
-    finally:
-        service.stop(grace=0)
-        dependency.stop(grace=0)
 
 
 def test_a_drain_gives_up_at_its_timeout_or_at_a_second_signal():
