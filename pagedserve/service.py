@@ -185,8 +185,9 @@ class DependencyWatcher:
     Each dependency's status comes over a Health.Watch stream, on a thread of its own: a change is seen as the
     dependency makes it, a process that dies breaks its stream at once, and nothing is polled while all is
     well (polling each dependency twice a second would cost each service about 4 ms of CPU a second, taken
-    from the cores an executor computes on). Only a Watch answer makes a dependency SERVING; a stream that breaks,
-    or a backstop Check that fails, makes it down until a new stream answers."""
+    from the cores an executor computes on). After the first Check at start, only a Watch answer makes a
+    dependency SERVING; a stream that breaks, or a backstop Check that fails, makes it down until a new stream
+    answers."""
 
     def __init__(self, dependencies: dict[str, str], on_change, security: Security) -> None:
         """dependencies: {name: address}; on_change(healthy: bool, down: list[str]) after every change."""
