@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+import typing
 import uuid
 from typing import Any, Callable, Literal
 
@@ -93,6 +94,25 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _null_means_the_default(cls, data: Any) -> Any:
+        """OpenAI's API takes null for any optional parameter, meaning its default, and several client libraries
+        send it for those they leave unset. A field whose own type takes None (max_tokens: to the end of the
+        context) keeps it; a required one left null is then reported missing."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in cls._defaulted_on_null()}
+
+    @classmethod
+    @functools.cache
+    def _defaulted_on_null(cls) -> frozenset[str]:
+        """The names (and aliases) of the fields whose type does not take None."""
+        return frozenset(name for field_name, field in cls.model_fields.items()
+                         if type(None) not in typing.get_args(field.annotation)
+                         for name in (field_name, field.alias) if name)
 
 
 class StreamOptions(_Body):
