@@ -313,7 +313,8 @@ class OpenAIServer:
             param = HTTP_PARAM.get(error.field, error.field)
             if error.field == "json_schema" and body is not None and body.guided_json is not None:
                 param = "guided_json"
-            raise APIError(400, str(error), param) from None
+            message = str(error)  # named by the API's own field where the back end's differs
+            raise APIError(400, message if message.startswith(param) else f"{param}: {message}", param) from None
 
     def _sampling_input(self, body: _Sampling, request: Request) -> GenerateInput:
         self._check_model(body.model)
@@ -424,8 +425,10 @@ class OpenAIServer:
         try:
             prompt_ids, params = self._validate(inp, body)
         except APIError as error:
-            if error.param == "logprobs":
-                error.param = "top_logprobs"
+            if error.param == "logprobs":  # the chat API's count of alternatives is its top_logprobs
+                message = str(error)
+                raise APIError(400, "top_" + message if message.startswith("logprobs") else message, "top_logprobs",
+                               error.code) from None
             raise
         response_id = f"chatcmpl-{inp.request_id}"
         call = self._call(prompt_ids, params, inp)

@@ -177,7 +177,9 @@ def _check_grammar(params: SamplingParams) -> None:
             build(source)
     except RuntimeError as e:
         field = "choice" if kind == "ebnf" else kind
-        raise ValidationError(field, f"{field} is not usable: {str(e).strip()}") from None
+        # (xgrammar starts its messages with the time and its own source line: the client needs neither)
+        reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(e).strip())
+        raise ValidationError(field, f"{field} is not usable: {reason}") from None
 
 
 def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_special_tokens: bool) -> list[int]:

@@ -182,3 +182,15 @@ def test_a_prompt_that_tokenizes_beyond_the_models_vocabulary_is_refused(tok):
     with pytest.raises(ValidationError, match="beyond the model's vocabulary") as info:
         validate_and_tokenize(GenerateInput(request_id="r", prompt="Hello"), tok, MAX_MODEL_LEN, 160)
     assert info.value.field == "prompt"
+
+
+@pytest.mark.parametrize("field,fields,reason", [
+    ("regex", dict(regex="[a-"), "Regex parsing error at position 4"),
+    ("json_schema", dict(json_schema='{"type": 5}'), "Type should be a string"),
+])
+def test_an_unusable_grammar_is_refused_with_xgrammars_reason_alone(tok, field, fields, reason):
+    with pytest.raises(ValidationError) as info:
+        validate(tok, **fields)
+    assert info.value.field == field
+    # Not xgrammar's time stamp and source line, which it puts before the reason.
+    assert str(info.value).startswith(f"{field} is not usable: {reason}"), str(info.value)
