@@ -180,6 +180,9 @@ class Message(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[Message]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -195,6 +198,9 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[Message] | None = None
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(_Body):
@@ -291,7 +297,8 @@ class OpenAIServer:
                                     "are accepted", "prompt")
             ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            inp = GenerateInput(request_id="tokenize", messages=_messages(body.messages), max_tokens=None)
+            inp = GenerateInput(request_id="tokenize", messages=_messages(body.messages), max_tokens=None,
+                                **_chat_options(body))
             ids = self._validate(inp)[0]
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self.max_model_len}
 
@@ -415,6 +422,8 @@ class OpenAIServer:
             raise APIError(400, "tool_choice needs tools, which are not supported", "tool_choice")
         inp = self._sampling_input(body, request)
         inp.messages = _messages(body.messages)
+        for name, value in _chat_options(body).items():
+            setattr(inp, name, value)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         inp.max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -609,6 +618,12 @@ def _messages(messages: list[Message]) -> list[dict]:
             content = "".join(part.text for part in content)
         out.append({"role": message.role, "content": content or ""})
     return out
+
+
+def _chat_options(body: ChatRequest | TokenizeRequest) -> dict:
+    """How the request's messages are rendered (GenerateInput's fields of the same names)."""
+    return {"add_generation_prompt": body.add_generation_prompt, "continue_final_message": body.continue_final_message,
+            "chat_template_kwargs": body.chat_template_kwargs}
 
 
 @dataclasses.dataclass

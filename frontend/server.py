@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf import json_format
 
 from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import BackendStats, FrontendMetrics
@@ -213,7 +214,13 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
     elif which == "prompt_token_ids":
         inp.prompt_token_ids = list(request.prompt_token_ids.ids)
     elif which == "messages":
-        inp.messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        chat = request.messages
+        inp.messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        if chat.HasField("add_generation_prompt"):
+            inp.add_generation_prompt = chat.add_generation_prompt
+        inp.continue_final_message = chat.continue_final_message
+        if chat.HasField("chat_template_kwargs"):
+            inp.chat_template_kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
     return inp
 
 

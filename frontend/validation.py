@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagedserve.chat import ChatOptionError, ChatTemplateRejected, render_chat
 from pagedserve.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
@@ -30,6 +31,10 @@ class GenerateInput:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
+    # How messages are rendered (pagedserve/chat.py).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
     # Sampling and stopping, with SamplingParams's defaults; max_tokens None: up to the context.
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -206,8 +211,11 @@ def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_s
     else:
         _check_messages(inp.messages)
         try:
-            text = tokenizer.apply_chat_template(inp.messages, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # templates raise what they like (jinja errors) for conversations they reject
+            text = render_chat(tokenizer, inp.messages, inp.add_generation_prompt, inp.continue_final_message,
+                               inp.chat_template_kwargs)
+        except ChatOptionError as e:
+            raise ValidationError(e.field, str(e)) from None
+        except ChatTemplateRejected as e:
             raise ValidationError("messages", f"messages rejected by the chat template: {e}") from None
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     if not ids:

@@ -22,6 +22,7 @@ import torch
 from executor_svc.build import build_model_runner
 from executor_svc.server import executor_info
 from kvcache_svc.build import build_block_manager
+from pagedserve.chat import render_chat
 from pagedserve.config import CacheConfig, ModelConfig, PagedServeConfig, SchedulerConfig
 from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
@@ -173,16 +174,18 @@ class LLM:
         self,
         conversations: Sequence[dict] | Sequence[Sequence[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[GenerationResult]:
-        """Applies the model's chat template to each conversation (a list of {role, content}) and generates."""
+        """Applies the model's chat template to each conversation (a list of {role, content}) and generates;
+        the options are pagedserve/chat.py's."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [
-            self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-            for messages in conversations
-        ]
+        prompts = [render_chat(self.tokenizer, list(messages), add_generation_prompt, continue_final_message,
+                               chat_template_kwargs) for messages in conversations]
         return self.generate(prompts, sampling_params)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:

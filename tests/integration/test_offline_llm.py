@@ -49,6 +49,20 @@ def test_chat_answers_sensibly(smollm2):
     assert result.finish_reason == "stop"
 
 
+def test_chat_carries_on_a_begun_answer_with_continue_final_message(smollm2):
+    begun = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    [result] = smollm2.chat(begun, params, add_generation_prompt=False, continue_final_message=True)
+    prompt = smollm2.tokenizer.apply_chat_template(begun, add_generation_prompt=False, continue_final_message=True,
+                                                   tokenize=False)
+    assert prompt.endswith("The capital of France is")
+    assert result.token_ids == smollm2.generate(prompt, params)[0].token_ids
+    assert "Paris" in result.text
+    with pytest.raises(ValueError, match="continue_final_message"):
+        smollm2.chat(begun, params, continue_final_message=True)  # add_generation_prompt left true
+
+
 def test_results_come_back_in_input_order_for_text_and_token_prompts(smollm2):
     token_prompt = smollm2.tokenizer.encode("The capital of France is")
     params = SamplingParams(temperature=0, max_tokens=5)

@@ -199,9 +199,10 @@ class Reference:
     def __init__(self, model, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
         self.model, self.tokenizer, self.eos_token_ids = model, tokenizer, eos_token_ids
 
-    def ids(self, prompt: str | None = None, messages: list[dict] | None = None) -> tuple[int, ...]:
+    def ids(self, prompt: str | None = None, messages: list[dict] | None = None, **chat_options) -> tuple[int, ...]:
         if messages is not None:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            chat_options.setdefault("add_generation_prompt", True)
+            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, **chat_options)
         return tuple(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def text(self, token_ids) -> str:
@@ -448,6 +449,18 @@ def check_choice(api, ref):
     assert set(sampled) <= set(odd), sampled
 
 
+def check_chat_template_options(api, ref):
+    # The answer begun by the client, carried on; a conversation rendered without the assistant's turn opened.
+    begun = CAPITAL_CHAT + [{"role": "assistant", "content": "The capital of France is"}]
+    texts = []
+    for messages, options in ((begun, dict(add_generation_prompt=False, continue_final_message=True)),
+                              (CAPITAL_CHAT, dict(add_generation_prompt=False))):
+        texts.append(ref.text(ref.greedy(ref.ids(messages=messages, **options), 8)))
+        assert api.complete(messages=messages, temperature=0, max_tokens=8, **options).text == texts[-1]
+    closed = api.complete(messages=begun, temperature=0, max_tokens=8).text
+    assert closed != texts[0], "with the assistant's message closed, the model does not carry it on"
+
+
 PARAMETERS = {
     "temperature": check_temperature,
     "top_p": check_top_p,
@@ -471,6 +484,7 @@ PARAMETERS = {
     "response_format-json_schema": check_json_schema,
     "guided_regex": check_regex,
     "guided_choice": check_choice,
+    "add_generation_prompt-continue_final_message": check_chat_template_options,
 }
 
 

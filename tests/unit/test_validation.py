@@ -194,3 +194,24 @@ def test_an_unusable_grammar_is_refused_with_xgrammars_reason_alone(tok, field, 
     assert info.value.field == field
     # Not xgrammar's time stamp and source line, which it puts before the reason.
     assert str(info.value).startswith(f"{field} is not usable: {reason}"), str(info.value)
+
+
+def test_chat_options_render_the_conversation_as_the_template_does(tok):
+    begun = USER + [{"role": "assistant", "content": "Hello, I am"}]
+    ids, _ = validate(tok, messages=begun, add_generation_prompt=False, continue_final_message=True)
+    text = tok.apply_chat_template(begun, add_generation_prompt=False, continue_final_message=True, tokenize=False)
+    assert tok.decode(ids) == text and text.endswith("Hello, I am")
+    closed, _ = validate(tok, messages=begun)
+    assert tok.decode(closed).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("field,fields", [
+    ("continue_final_message", dict(continue_final_message=True)),  # with add_generation_prompt left true
+    ("chat_template_kwargs", dict(chat_template_kwargs={"tokenize": True})),
+    ("chat_template_kwargs", dict(chat_template_kwargs={"messages": []})),
+    ("chat_template_kwargs", dict(chat_template_kwargs={1: "x"})),
+])
+def test_chat_options_that_cannot_apply_are_refused_naming_them(tok, field, fields):
+    with pytest.raises(ValidationError) as info:
+        validate(tok, messages=USER, **fields)
+    assert info.value.field == field and field in str(info.value)

@@ -1,0 +1,40 @@
+"""A conversation rendered with the model's chat template: the same for the gRPC and OpenAI APIs and the
+offline LLM, with vLLM's options (add_generation_prompt, continue_final_message, chat_template_kwargs)."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+class ChatOptionError(ValueError):
+    """An option that cannot apply; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ChatTemplateRejected(ValueError):
+    """The template itself refused the conversation (templates raise what they like)."""
+
+
+def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
+    """The prompt text. add_generation_prompt opens the assistant's turn after the conversation;
+    continue_final_message leaves the last message open instead, so that the model carries it on (a prefill of
+    the answer); chat_template_kwargs are extra variables for the template (e.g. enable_thinking)."""
+    if add_generation_prompt and continue_final_message:
+        raise ChatOptionError("continue_final_message", "continue_final_message leaves the last message open and "
+                              "add_generation_prompt opens a new one: set add_generation_prompt false with it")
+    extra = dict(chat_template_kwargs or {})
+    if any(not isinstance(key, str) for key in extra):
+        raise ChatOptionError("chat_template_kwargs", "chat_template_kwargs must map names to values")
+    # The template's variables only: the rendering's own arguments are not the client's to set this way.
+    taken = sorted(set(extra) & (set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}))
+    if taken:
+        raise ChatOptionError("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tokenize=False, **extra)
+    except Exception as error:  # jinja errors, or a final message with nothing to continue
+        raise ChatTemplateRejected(str(error)) from None
