@@ -3,29 +3,14 @@ model_not_found for any other, before anything reaches the back end."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
-from frontend.http_server import OpenAIServer
 from pagedserve.config import DEFAULT_MODEL_NAME, ServingConfig, model_name
-
-
-class CharTokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-
-class NoLink:
-    """A request that names an unknown model never gets this far."""
-
-    def submit(self, *args, **kwargs):
-        raise AssertionError("submitted to the scheduler")
+from tests.support.http_app import http_app
 
 
 @pytest.fixture
 def http():
-    server = OpenAIServer(NoLink(), CharTokenizer(), ("smollm", "alias"), max_model_len=64, vocab_size=256,
-                          max_prompt_chars=100)
-    return TestClient(server.app)
+    return http_app(("smollm", "alias"))
 
 
 def test_every_served_name_is_listed_and_accepted(http):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
-
-from frontend.http_server import APIError, ChatRequest, CompletionRequest, OpenAIServer, parse_body
+from frontend.http_server import APIError, ChatRequest, CompletionRequest, parse_body
+from tests.support.http_app import http_app
 
 
 def parse(model, body: dict):
@@ -58,19 +57,7 @@ def test_a_null_required_field_is_refused_naming_it(model, body, param, where):
     assert str(refused.value).startswith(f"{where}: ")
 
 
-class CharTokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-
-class NoLink:
-    def submit(self, *args, **kwargs):
-        raise AssertionError("a refused request reached the scheduler")
-
-
 def test_the_api_answers_a_null_where_a_value_is_required_with_a_400():
-    http = TestClient(OpenAIServer(NoLink(), CharTokenizer(), ("smollm",), max_model_len=64, vocab_size=256,
-                                   max_prompt_chars=100).app)
-    response = http.post("/v1/completions", json={"prompt": None, "temperature": None})
+    response = http_app().post("/v1/completions", json={"prompt": None, "temperature": None})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt"
