@@ -256,6 +256,7 @@ class OpenAIServer:
 
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model:path}")(self.model)  # (a name may hold slashes: org/model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/tokenize")(self.tokenize)
@@ -272,11 +273,17 @@ class OpenAIServer:
         """Not async: a scrape reads the scheduler's stats, on a worker thread rather than the API's loop."""
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                "root": self.model_name, "max_model_len": self.max_model_len}
+
     async def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.created, "owned_by": "pagedserve",
-            "root": self.model_name, "max_model_len": self.max_model_len,
-        } for name in self.model_names]}
+        return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
+
+    async def model(self, model: str) -> dict:
+        """OpenAI's retrieve: the card of one served name, else 404 model_not_found."""
+        self._check_model(model)
+        return self._model_card(model)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:

@@ -10,12 +10,15 @@ from tests.support.http_app import http_app
 
 @pytest.fixture
 def http():
-    return http_app(("smollm", "alias"))
+    return http_app(("smollm", "org/alias"))
 
 
 def test_every_served_name_is_listed_and_accepted(http):
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["smollm", "alias"]
-    for name in ("smollm", "alias", None):
+    cards = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in cards] == ["smollm", "org/alias"]
+    for card in cards:  # OpenAI's retrieve, by each name
+        assert http.get(f"/v1/models/{card['id']}").json() == card
+    for name in ("smollm", "org/alias", None):
         response = http.post("/tokenize", json={"prompt": "hi", **({"model": name} if name else {})})
         assert response.status_code == 200 and response.json()["tokens"] == [104, 105]
 
@@ -24,11 +27,11 @@ def test_every_served_name_is_listed_and_accepted(http):
                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                                        ("/tokenize", {"prompt": "hi"})])
 def test_any_other_name_is_not_found(http, path, body):
-    response = http.post(path, json={"model": "default", **body})
-    assert response.status_code == 404
-    error = response.json()["error"]
-    assert (error["type"], error["param"], error["code"]) == ("not_found_error", "model", "model_not_found")
-    assert "'smollm', 'alias'" in error["message"]
+    for response in (http.post(path, json={"model": "default", **body}), http.get("/v1/models/org/default")):
+        assert response.status_code == 404
+        error = response.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == ("not_found_error", "model", "model_not_found")
+        assert "'smollm', 'org/alias'" in error["message"]
 
 
 def test_the_default_name_is_the_models_own(tmp_path):
