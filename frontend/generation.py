@@ -58,8 +58,12 @@ class GenerateCall:
     choices still running and forgets them on the link."""
 
     def __init__(self, link, tokenizer: Any, prompt_ids: list[int], params: SamplingParams,
-                 cache_salt: str | None, inbox, priority: int = 0, metrics: FrontendMetrics | None = None) -> None:
+                 cache_salt: str | None, inbox, priority: int = 0, metrics: FrontendMetrics | None = None,
+                 prompt_only: bool = False) -> None:
+        """prompt_only: the client asked for no completion (vLLM's echo with max_tokens 0, to score a prompt): the
+        request runs to one token, for its prompt logprobs, and the deltas leave that token out."""
         self.link, self.prompt_ids, self.params, self.cache_salt, self.inbox = link, prompt_ids, params, cache_salt, inbox
+        self.prompt_only = prompt_only
         self.priority = priority
         self.metrics = metrics
         self.times = [metrics.arrived() for _ in range(params.n)] if metrics is not None else None
@@ -121,6 +125,10 @@ class GenerateCall:
             self.metrics.output(self.times[index], len(output.new_token_ids) if num_tokens is None else num_tokens)
             if delta.finished:
                 self.metrics.ended_request(self.times[index], delta.finish_reason)
+        if self.prompt_only:
+            usage = Usage(delta.usage.prompt_tokens, 0) if delta.usage is not None else None
+            return ChoiceDelta(index, [], "", [] if output.new_logprobs is not None else None,
+                               "length" if delta.finished else None, usage, output.prompt_logprobs)
         return ChoiceDelta(index, output.new_token_ids[:num_tokens], delta.text,
                            output.new_logprobs[:num_tokens] if output.new_logprobs is not None else None,
                            delta.finish_reason, delta.usage, output.prompt_logprobs)

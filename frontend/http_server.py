@@ -370,7 +370,12 @@ class OpenAIServer:
         prompts = prompt if batch else [prompt]
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"prompt holds {len(prompts)} prompts, at most {MAX_PROMPTS} are accepted", "prompt")
-        inp.max_tokens, inp.logprobs = body.max_tokens, body.logprobs
+        # echo with max_tokens 0 (vLLM's way to score a prompt): the prompt and its logprobs, no completion.
+        prompt_only = body.echo and body.max_tokens == 0
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo, which scores the prompt alone)",
+                           "max_tokens")
+        inp.max_tokens, inp.logprobs = 1 if prompt_only else body.max_tokens, body.logprobs
         if body.echo:  # the echoed prompt's tokens come with their logprobs
             inp.prompt_logprobs = body.logprobs
         parts = []
@@ -385,7 +390,7 @@ class OpenAIServer:
                 raise APIError(error.status, f"prompt {i}: {error}", error.param, error.code) from None
             echo = (one if isinstance(one, str) else self.tokenizer.decode(prompt_ids)) if body.echo else None
             parts.append(_CompletionPart(prompt_ids, params, echo, i * params.n))
-        calls = [self._call(part.prompt_ids, part.params, inp) for part in parts]
+        calls = [self._call(part.prompt_ids, part.params, inp, prompt_only) for part in parts]
         response_id = f"cmpl-{inp.request_id}"
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -465,12 +470,12 @@ class OpenAIServer:
         return self._json({"id": response_id, "object": "chat.completion", "created": int(time.time()),
                            "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
 
-    def _call(self, prompt_ids, params, inp: GenerateInput) -> GenerateCall:
+    def _call(self, prompt_ids, params, inp: GenerateInput, prompt_only: bool = False) -> GenerateCall:
         # Refused here, before a stream's 200 goes out; the link refuses one that slips past (as an error event).
         if self.link.draining:
             raise APIError(503, DRAINING)
         return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, AsyncInbox(),
-                            metrics=self.metrics)
+                            metrics=self.metrics, prompt_only=prompt_only)
 
     @staticmethod
     def _json(body: dict, request_id: str) -> JSONResponse:

@@ -103,7 +103,30 @@ def test_echo_with_logprobs_streams_the_prompts_logprobs_first_for_every_choice(
         assert len(mine[0].logprobs.tokens) == num_prompt + 1, "the prompt's logprobs come with the first chunk"
 
 
+def test_echo_with_no_tokens_scores_the_prompt_alone(openai_client, tokenizer):
+    """vLLM's way to score a prompt (echo, max_tokens 0): its text and logprobs, those of a completion's echo,
+    and nothing generated, whole or streamed, for every prompt of a batch."""
+    prompts = [PROMPT, "Once upon a time"]
+    kwargs = dict(model=MODEL, prompt=prompts, echo=True, logprobs=2, temperature=0)
+    scored = openai_client.completions.create(**kwargs, max_tokens=0)
+    completed = openai_client.completions.create(**kwargs, max_tokens=1)
+    assert scored.usage.completion_tokens == 0
+    assert scored.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    streamed = [c.choices[0] for c in openai_client.completions.create(**kwargs, max_tokens=0, stream=True)
+                if c.choices]
+    for prompt, score, completion in zip(prompts, scored.choices, completed.choices):
+        num_prompt = len(tokenizer.encode(prompt))
+        assert score.text == prompt and score.finish_reason == "length"
+        assert score.logprobs.tokens == completion.logprobs.tokens[:num_prompt]
+        assert score.logprobs.token_logprobs == completion.logprobs.token_logprobs[:num_prompt]
+        assert score.logprobs.top_logprobs == completion.logprobs.top_logprobs[:num_prompt]
+        mine = [c for c in streamed if c.index == score.index]
+        assert "".join(c.text for c in mine) == prompt
+        assert [t for c in mine for t in c.logprobs.tokens] == score.logprobs.tokens
+
+
 BAD = [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),  # (0 only with echo)
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
