@@ -153,6 +153,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first (ties by arrival)
     user: str | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -335,7 +336,7 @@ class OpenAIServer:
         inp = GenerateInput(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex)
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "min_tokens",
                      "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                     "skip_special_tokens", "include_stop_str_in_output", "cache_salt"):
+                     "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority"):
             setattr(inp, name, getattr(body, name))
         inp.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.response_format is not None and body.response_format.type == "json_object":
@@ -475,7 +476,7 @@ class OpenAIServer:
         if self.link.draining:
             raise APIError(503, DRAINING)
         return GenerateCall(self.link, self.tokenizer, prompt_ids, params, inp.cache_salt, AsyncInbox(),
-                            metrics=self.metrics, prompt_only=prompt_only)
+                            priority=inp.priority, metrics=self.metrics, prompt_only=prompt_only)
 
     @staticmethod
     def _json(body: dict, request_id: str) -> JSONResponse:

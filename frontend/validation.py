@@ -113,6 +113,8 @@ def _check_frontend_fields(inp: GenerateInput) -> None:
         raise ValidationError("stop_token_ids", "stop_token_ids must be a list of token ids")
     if inp.cache_salt is not None and (not isinstance(inp.cache_salt, str) or not inp.cache_salt):
         raise ValidationError("cache_salt", "cache_salt must be a non-empty string when set")
+    if isinstance(inp.priority, bool) or not isinstance(inp.priority, int) or not -2**31 <= inp.priority < 2**31:
+        raise ValidationError("priority", f"priority must be a 32-bit integer, got {inp.priority!r}")
 
 
 def _check_prompt_size(inp: GenerateInput, max_prompt_chars: int | None, max_model_len: int) -> None:

@@ -128,6 +128,7 @@ def test_echo_with_no_tokens_scores_the_prompt_alone(openai_client, tokenizer):
 BAD = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),  # (0 only with echo)
     ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": PROMPT, "priority": 2**40}, "priority"),
     ("/v1/completions", {"prompt": PROMPT, "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": PROMPT, "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": PROMPT, "top_k": -5}, "top_k"),

@@ -72,6 +72,8 @@ BAD = [
     ("skip_special_tokens", dict(skip_special_tokens="yes")),
     ("include_stop_str_in_output", dict(include_stop_str_in_output=1)),
     ("cache_salt", dict(cache_salt="")),
+    ("priority", dict(priority=2**31)),
+    ("priority", dict(priority="1")),
 ]
 
 
