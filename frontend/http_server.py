@@ -88,6 +88,12 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status)
 
 
+# The values at which the vLLM parameters this server does not implement ask for nothing (_Sampling).
+NOT_IMPLEMENTED_AT = {"use_beam_search": False, "truncate_prompt_tokens": None,
+                      "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None}
+NOT_IMPLEMENTED_HINTS = {"prompt_logprobs": " (a completion's echo with logprobs gives the prompt's; gRPC has "
+                                            "prompt_logprobs)"}
+
 # ------------------------------------------------------------------------------------------ request bodies
 # Strict: a string where a number belongs is refused, not converted. Unknown fields are ignored, as OpenAI's
 # own clients send a few this server has no use for.
@@ -155,6 +161,13 @@ class _Sampling(_Body):
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first (ties by arrival)
     user: str | None = None
+    # vLLM's parameters that this server does not implement: known, so that a value that would change the
+    # answer is refused (NOT_IMPLEMENTED_AT) rather than ignored as an unknown field is.
+    use_beam_search: bool = False
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -166,6 +179,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None  # only as many as n: this server returns every sequence it samples
 
 
 class TextPart(_Body):
@@ -333,6 +347,10 @@ class OpenAIServer:
 
     def _sampling_input(self, body: _Sampling, request: Request) -> GenerateInput:
         self._check_model(body.model)
+        for name, inert in NOT_IMPLEMENTED_AT.items():
+            if getattr(body, name) not in (inert, []):
+                hint = NOT_IMPLEMENTED_HINTS.get(name, "")
+                raise APIError(400, f"{name} is not supported by this server{hint}", name)
         inp = GenerateInput(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex)
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "min_tokens",
                      "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
@@ -366,6 +384,9 @@ class OpenAIServer:
         inp = self._sampling_input(body, request)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, f"best_of is not supported beyond n ({body.n}): every sampled sequence is returned",
+                           "best_of")
         prompt = body.prompt
         batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
         prompts = prompt if batch else [prompt]

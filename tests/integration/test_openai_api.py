@@ -174,6 +174,13 @@ BAD = [
     # No tool-call parser: tools are refused, not silently left out of the prompt.
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
+    # vLLM's parameters this server does not implement: refused where they would change the answer.
+    ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [5]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["Paris"]}, "bad_words"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
 ]
 
