@@ -29,10 +29,10 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
     extra = dict(chat_template_kwargs or {})
     if any(not isinstance(key, str) for key in extra):
         raise ChatOptionError("chat_template_kwargs", "chat_template_kwargs must map names to values")
-    # The template's variables only: the rendering's own arguments are not the client's to set this way.
-    taken = sorted(set(extra) & (set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}))
-    if taken:
-        raise ChatOptionError("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}")
+    if extra:  # the template's variables only: the rendering's own arguments are not the client's to set
+        own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | {"messages"}
+        if taken := sorted(set(extra) & own):
+            raise ChatOptionError("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tokenize=False, **extra)
