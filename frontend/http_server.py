@@ -123,6 +123,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Body):
@@ -415,8 +417,6 @@ class OpenAIServer:
         calls = [self._call(part.prompt_ids, part.params, inp, prompt_only) for part in parts]
         response_id = f"cmpl-{inp.request_id}"
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-
             def chunk(part: _CompletionPart, delta: ChoiceDelta, first: bool) -> dict:
                 if delta.prompt_logprobs is not None:
                     part.prompt_logprobs = delta.prompt_logprobs  # choice 0's, echoed by every choice
@@ -426,7 +426,7 @@ class OpenAIServer:
                 return self._completion_chunk(delta, part.echo if first else None, echoed, part.first_index)
 
             return self._sse(request, calls, response_id, inp.request_id,
-                             [functools.partial(chunk, part) for part in parts], "text_completion", include_usage)
+                             [functools.partial(chunk, part) for part in parts], "text_completion", body.stream_options)
         collected = await self._collect(request, calls)
         choices, usages = [], []
         for part, deltas in zip(parts, collected):
@@ -476,9 +476,8 @@ class OpenAIServer:
         response_id = f"chatcmpl-{inp.request_id}"
         call = self._call(prompt_ids, params, inp)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return self._sse(request, [call], response_id, inp.request_id, [self._chat_chunk],
-                             "chat.completion.chunk", include_usage)
+                             "chat.completion.chunk", body.stream_options)
         [deltas] = await self._collect(request, [call])
         choices = []
         for index in range(params.n):
@@ -567,8 +566,10 @@ class OpenAIServer:
                 task.cancel()
 
     def _sse(self, request: Request, calls: list[GenerateCall], response_id: str, request_id: str, chunks: list,
-             obj: str, include_usage: bool) -> StreamingResponse:
+             obj: str, options: StreamOptions | None) -> StreamingResponse:
         """Streams the calls' deltas as server-sent events, chunks[i](delta, first) making call i's."""
+        include_usage = options is not None and options.include_usage
+        continuous_usage = include_usage and options.continuous_usage_stats
         # Every event is this head, its choices and (with include_usage) its usage: only those are encoded per
         # event, the same JSON as encoding the whole object.
         head = json.dumps({"id": response_id, "object": obj, "created": int(time.time()), "model": self.model_name})
@@ -579,13 +580,20 @@ class OpenAIServer:
             return head + json.dumps(choices) + tail
 
         async def events():
-            started: set[tuple[int, int]] = set()
+            generated: dict[tuple[int, int], int] = {}  # completion tokens so far, by (call, choice)
             deltas: list[list[ChoiceDelta]] = [[] for _ in calls]
             try:
                 async for position, delta in self._merged_deltas(request, calls):
                     deltas[position].append(delta)
-                    yield frame([chunks[position](delta, (position, delta.index) not in started)])
-                    started.add((position, delta.index))
+                    choice = (position, delta.index)
+                    first = choice not in generated
+                    generated[choice] = generated.get(choice, 0) + len(delta.token_ids)
+                    usage = None
+                    if continuous_usage:
+                        prompt = len(calls[position].prompt_ids)
+                        usage = {"prompt_tokens": prompt, "completion_tokens": generated[choice],
+                                 "total_tokens": prompt + generated[choice]}
+                    yield frame([chunks[position](delta, first)], usage)
             except APIError as error:
                 body = {"error": {"message": str(error), "type": ERROR_TYPE.get(error.status, "error"),
                                   "param": error.param, "code": error.code}}

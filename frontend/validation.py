@@ -14,7 +14,7 @@ from pagedserve.chat import ChatOptionError, ChatTemplateRejected, render_chat
 from pagedserve.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+CHAT_ROLES = frozenset({"developer", "system", "user", "assistant", "tool"})  # OpenAI's roles
 
 
 class ValidationError(ValueError):

@@ -84,6 +84,28 @@ def test_streaming_sync_and_async_give_the_same_text_and_a_final_usage_chunk(api
     assert parts[-1].usage.completion_tokens == whole.usage.completion_tokens == 20
 
 
+def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(openai_client, tokenizer):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage of its own prompt and choice."""
+    prompts = [PROMPT, "Once upon a time"]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(openai_client.completions.create(model=MODEL, prompt=prompts, n=2, seed=1, temperature=1.0,
+                                                   max_tokens=6, logprobs=0, stream=True, stream_options=options))
+    generated = {}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        generated[choice.index] = generated.get(choice.index, 0) + len(choice.logprobs.tokens)
+        prompt_tokens = len(tokenizer.encode(prompts[choice.index // 2]))
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens) == (prompt_tokens, generated[choice.index])
+        assert chunk.usage.total_tokens == prompt_tokens + generated[choice.index]
+    assert generated == {0: 6, 1: 6, 2: 6, 3: 6}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+    chat = list(openai_client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=5,
+                                                      stream=True, stream_options=options))
+    assert [c.usage.completion_tokens for c in chat if c.choices][-1] == chat[-1].usage.completion_tokens == 5
+    assert all(c.usage is not None for c in chat)
+
+
 def test_echo_with_logprobs_streams_the_prompts_logprobs_first_for_every_choice(openai_client, tokenizer):
     kwargs = dict(model=MODEL, prompt=PROMPT, n=2, seed=3, temperature=1.0, max_tokens=5, echo=True, logprobs=1)
     whole = openai_client.completions.create(**kwargs)

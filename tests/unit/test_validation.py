@@ -119,6 +119,12 @@ def test_chat_template_applied(tok):
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
 
 
+def test_developer_messages_go_to_the_template_as_they_are(tok):
+    """OpenAI's newer clients send their instructions as role "developer"; as in vLLM, the template renders it."""
+    ids, _ = validate(tok, messages=[{"role": "developer", "content": "Be brief."}] + USER)
+    assert "<|im_start|>developer\nBe brief.<|im_end|>\n<|im_start|>user\nhi" in tok.decode(ids, skip_special_tokens=False)
+
+
 def test_context_boundaries(tok):
     ids, params = validate(tok, prompt_token_ids=[5] * (MAX_MODEL_LEN - 1), max_tokens=1)
     assert len(ids) + params.max_tokens == MAX_MODEL_LEN
