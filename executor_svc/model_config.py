@@ -13,7 +13,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     "llama": None,  # attention_bias covers q, k, v and o
     "mistral": (False, False),
     "qwen2": (True, False),
+    "qwen3": None,
 }
+# Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
+QK_NORM_ARCHITECTURES = frozenset({"qwen3"})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +45,7 @@ class ModelArchitecture:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool
     tie_word_embeddings: bool
     max_model_len: int
     eos_token_ids: tuple[int, ...]
@@ -88,6 +92,7 @@ class ModelArchitecture:
             qkv_bias=biases[0],
             o_bias=biases[1],
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=model_type in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_model_len=max_model_len,
             eos_token_ids=eos_ids,
@@ -121,6 +126,6 @@ def _active_sliding_window(hf_config) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
     if window is None:
         return None
-    if hf_config.model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
+    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
         return None
     return int(window)

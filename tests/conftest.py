@@ -8,7 +8,7 @@ import torch
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -24,13 +24,16 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
         })
     if kind == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if kind == "qwen3":  # a head_dim of its own, not hidden_size / heads, as Qwen3's configs have
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     if kind == "mistral":
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     raise ValueError(kind)
 
 
 def write_tiny_model(kind: str, path, seed: int = 0, **config_overrides):
-    """Saves a random-weight transformers model (biases randomised too) and returns it."""
+    """Saves a random-weight transformers model (biases and per-head q/k norms randomised too) and returns it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -39,6 +42,8 @@ def write_tiny_model(kind: str, path, seed: int = 0, **config_overrides):
         for name, param in model.named_parameters():
             if name.endswith("bias"):  # zero at init: randomise so a dropped bias shows
                 param.normal_(0, 0.5)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # ones at init: so that a swapped one shows
+                param.normal_(1, 0.5)
     model.save_pretrained(path)
     return model
 

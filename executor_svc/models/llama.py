@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a flat batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat batch of tokens.
 
 Every token of a step, from every request, prefill chunks and decodes alike, is one row of a
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told
@@ -143,11 +143,17 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, fused_ops)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, fused_ops)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused_ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused_ops) if config.qk_norm else None
         self.backend = attention_backend
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            # Per head, in place in the projection's output (its rows are strided: the norm runs on a dense copy).
+            q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1))
+            k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1))
         if self.fused_ops is not None and q.dtype in FUSED_DTYPES:
             self.fused_ops.rotary(q, k, cos, sin, self.head_dim)  # in place, in the projection's output
         else:
