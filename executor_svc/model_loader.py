@@ -64,10 +64,21 @@ def default_model_gguf() -> Path:
     return path
 
 
+def _gguf_key(gguf_path: Path) -> str:
+    """Names a GGUF file by content (its size, its first and its last MiB: the header and metadata, and tensor
+    data), not by path or time: reinstalling the same file, or another checkout's copy of it, finds the one
+    conversion rather than writing another."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:12]
+
+
 def _converted_gguf(gguf_path: Path, name: str) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    target = cache_dir() / "models" / f"{name}-{key[:12]}"
+    target = cache_dir() / "models" / f"{name}-{_gguf_key(gguf_path)}"
     if (target / "config.json").is_file():
         return target
     logger.info("converting %s to safetensors in %s (once)", gguf_path, target)

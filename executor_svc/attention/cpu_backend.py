@@ -33,8 +33,10 @@ def load_extension():
     """The kernels' op namespace (torch.ops.pagedserve_cpu), compiling them on first use."""
     from torch.utils.cpp_extension import load
 
-    # The header is not a source; its contents go into the build's name so that editing it rebuilds.
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in DEPENDS)).hexdigest()[:12]
+    # The build is named by the sources' contents (the header's too, which ninja does not track here) and their
+    # directory: another checkout, or other sources, build beside it rather than over it, one rebuilding the
+    # other's build at every start.
+    digest = hashlib.sha256(str(CSRC).encode() + b"".join(p.read_bytes() for p in SOURCES + DEPENDS)).hexdigest()[:12]
     load(name=f"pagedserve_cpu_attention_{digest}", sources=[str(p) for p in SOURCES],
          extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
     return torch.ops.pagedserve_cpu

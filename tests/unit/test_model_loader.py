@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from executor_svc.model_config import parse_dtype
-from executor_svc.model_loader import default_model_gguf, resolve_model_dir, safetensors_files
+from executor_svc.model_loader import _gguf_key, default_model_gguf, resolve_model_dir, safetensors_files
 from executor_svc.model_runner import ModelRunner
 from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.sampling_params import SamplingParams
@@ -94,5 +95,22 @@ def test_a_gguf_path_is_converted_once_and_loads(tmp_path, monkeypatch):
     converted = resolve_model_dir(str(gguf))
     assert (converted / "config.json").is_file() and safetensors_files(converted)
     assert resolve_model_dir(str(gguf)) == converted  # cached: no second conversion
+    elsewhere = tmp_path / "reinstalled" / "model.gguf"  # the same file at another path and time
+    elsewhere.parent.mkdir()
+    shutil.copy(gguf, elsewhere)
+    assert resolve_model_dir(str(elsewhere)) == converted
     runner = ModelRunner(ModelConfig(str(gguf), device="cpu"), CacheConfig(kv_cache_memory=64 << 20))
     assert runner.config.model_type == "llama" and runner.config.tie_word_embeddings
+
+
+def test_a_gguf_file_is_named_by_its_content_not_its_path_or_time(tmp_path):
+    data = bytes(range(256)) * (3 << 12)  # 3 MiB: a head, a middle and a tail
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(data)
+    second.write_bytes(data)
+    os.utime(second, (0, 0))
+    assert _gguf_key(first) == _gguf_key(second)
+    second.write_bytes(data[:-1] + b"x")  # a changed tensor at the end
+    assert _gguf_key(first) != _gguf_key(second)
+    second.write_bytes(data + b"x")  # a longer file
+    assert _gguf_key(first) != _gguf_key(second)
