@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import FrontendMetrics
+from frontend.tools import ToolCallStream, ToolError, plan_tool_calls, template_messages
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
@@ -193,6 +194,8 @@ class Message(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool's answer: to which call
 
 
 class ChatRequest(_Sampling):
@@ -204,10 +207,10 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Known so that they are refused rather than ignored: this server parses no tool calls.
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    functions: list[dict] | None = None
+    parallel_tool_calls: bool = True
+    functions: list[dict] | None = None  # OpenAI's older form of tools: refused, not ignored
 
 
 class TokenizeRequest(_Body):
@@ -449,13 +452,20 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request):
         body = parse_body(ChatRequest, await request.body())
-        for name in ("tools", "functions"):
-            if getattr(body, name):
-                raise APIError(400, f"{name} are not supported: this server parses no tool calls", name)
-        if body.tool_choice not in (None, "none", "auto"):  # (with no tools, "auto" and "none" ask for nothing)
-            raise APIError(400, "tool_choice needs tools, which are not supported", "tool_choice")
+        if body.functions:
+            raise APIError(400, "functions, OpenAI's older form of tools, are not supported: give tools", "functions")
+        try:
+            tool_calls = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ToolError as error:
+            raise APIError(400, str(error), error.field) from None
         inp = self._sampling_input(body, request)
-        inp.messages = _messages(body.messages)
+        inp.messages = template_messages(_messages(body.messages))
+        inp.tools = body.tools
+        if tool_calls is not None:
+            if inp.json_schema is not None or inp.json_object or inp.regex is not None or inp.choice is not None:
+                raise APIError(400, "tool calls are decoded under their own schema: give no response_format or "
+                                    "guided_* with tool_choice", "tool_choice")
+            inp.json_schema = tool_calls.schema
         for name, value in _chat_options(body).items():
             setattr(inp, name, value)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -472,21 +482,30 @@ class OpenAIServer:
                 message = str(error)
                 raise APIError(400, "top_" + message if message.startswith("logprobs") else message, "top_logprobs",
                                error.code) from None
+            if error.param == "response_format" and tool_calls is not None:  # the schema is the tools'
+                raise APIError(400, f"tools: the functions' parameters are not a usable JSON schema: {error}",
+                               "tools") from None
             raise
         response_id = f"chatcmpl-{inp.request_id}"
         call = self._call(prompt_ids, params, inp)
         if body.stream:
-            return self._sse(request, [call], response_id, inp.request_id, [self._chat_chunk],
-                             "chat.completion.chunk", body.stream_options)
+            chunk = functools.partial(self._chat_chunk,
+                                      tool_calls=None if tool_calls is None else ToolCallStream(tool_calls))
+            return self._sse(request, [call], response_id, inp.request_id, [chunk], "chat.completion.chunk",
+                             body.stream_options)
         [deltas] = await self._collect(request, [call])
         choices = []
         for index in range(params.n):
             mine = [d for d in deltas if d.index == index]
+            text, finish_reason = "".join(d.text for d in mine), mine[-1].finish_reason
+            message = {"role": "assistant", "content": text}
+            if tool_calls is not None:
+                message, finish_reason = tool_calls.message(text, finish_reason)
             choices.append({
-                "index": index, "message": {"role": "assistant", "content": "".join(d.text for d in mine)},
+                "index": index, "message": message,
                 "logprobs": ({"content": self._chat_logprobs([t for d in mine for t in d.logprobs or []])}
                              if params.logprobs is not None else None),
-                "finish_reason": mine[-1].finish_reason,
+                "finish_reason": finish_reason,
             })
         return self._json({"id": response_id, "object": "chat.completion", "created": int(time.time()),
                            "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
@@ -619,11 +638,15 @@ class OpenAIServer:
             raise APIError(500, "the prompt's logprobs did not come back from the back end")
         return [SampledToken(prompt_ids[0])] + (prompt_logprobs or [])
 
-    def _chat_chunk(self, delta: ChoiceDelta, first: bool) -> dict:
-        message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+    def _chat_chunk(self, delta: ChoiceDelta, first: bool, tool_calls: ToolCallStream | None = None) -> dict:
+        if tool_calls is not None:
+            message, finish_reason = tool_calls.delta(delta.index, delta.text, first, delta.finish_reason)
+        else:
+            message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            finish_reason = delta.finish_reason
         return {"index": delta.index, "delta": message,
                 "logprobs": {"content": self._chat_logprobs(delta.logprobs)} if delta.logprobs else None,
-                "finish_reason": delta.finish_reason}
+                "finish_reason": finish_reason}
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -659,6 +682,9 @@ def _messages(messages: list[Message]) -> list[dict]:
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         out.append({"role": message.role, "content": content or ""})
+        for name in ("name", "tool_calls", "tool_call_id"):
+            if getattr(message, name) is not None:
+                out[-1][name] = getattr(message, name)
     return out
 
 

@@ -35,6 +35,7 @@ class GenerateInput:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = None  # OpenAI's function definitions, for the template
     # Sampling and stopping, with SamplingParams's defaults; max_tokens None: up to the context.
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -214,7 +215,7 @@ def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_s
         _check_messages(inp.messages)
         try:
             text = render_chat(tokenizer, inp.messages, inp.add_generation_prompt, inp.continue_final_message,
-                               inp.chat_template_kwargs)
+                               inp.chat_template_kwargs, inp.tools)
         except ChatOptionError as e:
             raise ValidationError(e.field, str(e)) from None
         except ChatTemplateRejected as e:

@@ -19,10 +19,12 @@ class ChatTemplateRejected(ValueError):
 
 
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
+                continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
     """The prompt text. add_generation_prompt opens the assistant's turn after the conversation;
     continue_final_message leaves the last message open instead, so that the model carries it on (a prefill of
-    the answer); chat_template_kwargs are extra variables for the template (e.g. enable_thinking)."""
+    the answer); chat_template_kwargs are extra variables for the template (e.g. enable_thinking); tools are
+    OpenAI's function definitions, for a template that shows them to the model."""
     if add_generation_prompt and continue_final_message:
         raise ChatOptionError("continue_final_message", "continue_final_message leaves the last message open and "
                               "add_generation_prompt opens a new one: set add_generation_prompt false with it")
@@ -34,7 +36,7 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
         if taken := sorted(set(extra) & own):
             raise ChatOptionError("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}")
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tokenize=False, **extra)
     except Exception as error:  # jinja errors, or a final message with nothing to continue
         raise ChatTemplateRejected(str(error)) from None

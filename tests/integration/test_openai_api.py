@@ -106,6 +106,52 @@ def test_continuous_usage_stats_give_each_chunk_its_choices_usage_so_far(openai_
     assert all(c.usage is not None for c in chat)
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                         "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"],
+        "additionalProperties": False}}},
+]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_calls_named_and_required_come_whole_and_streamed(openai_client):
+    """tool_choice naming a function, or "required": calls that parse and fit the tools' schemas, the same
+    streamed (greedy) as whole; then the conversation goes on with the call and the tool's answer."""
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=80)
+    whole = openai_client.chat.completions.create(**kwargs, tool_choice=named)
+    [call] = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id and whole.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.function.arguments), schemas["get_weather"])
+    pieces = [piece for chunk in openai_client.chat.completions.create(**kwargs, tool_choice=named, stream=True)
+              if chunk.choices for piece in chunk.choices[0].delta.tool_calls or []]
+    assert pieces[0].function.name == "get_weather" and pieces[0].id and len(pieces) > 1
+    assert "".join(piece.function.arguments for piece in pieces) == call.function.arguments
+
+    required = openai_client.chat.completions.create(**kwargs, tool_choice="required")
+    calls = required.choices[0].message.tool_calls
+    assert calls and required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.content is None
+    for each in calls:
+        jsonschema.validate(json.loads(each.function.arguments), schemas[each.function.name])
+    streamed = [chunk.choices[0] for chunk in openai_client.chat.completions.create(
+        **kwargs, tool_choice="required", stream=True) if chunk.choices]
+    last = streamed[-1]
+    assert last.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in last.delta.tool_calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+    answered = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                           {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    follow = openai_client.chat.completions.create(model=MODEL, messages=answered, tools=TOOLS, tool_choice="none",
+                                                   temperature=0, max_tokens=20)
+    assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
+
+
 def test_echo_with_logprobs_streams_the_prompts_logprobs_first_for_every_choice(openai_client, tokenizer):
     kwargs = dict(model=MODEL, prompt=PROMPT, n=2, seed=3, temperature=1.0, max_tokens=5, echo=True, logprobs=1)
     whole = openai_client.completions.create(**kwargs)
@@ -193,8 +239,17 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}},
      "guided_regex"),
-    # No tool-call parser: tools are refused, not silently left out of the prompt.
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # Tools: "auto" (OpenAI's default with tools) needs a parser of the model's call syntax, which this server has not.
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {}}],
+                              "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": 5}}}], "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     # vLLM's parameters this server does not implement: refused where they would change the answer.
     ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"),

@@ -1,0 +1,158 @@
+"""OpenAI tool calls on the chat API, as vLLM makes them without a model-specific parser: a request that names a
+function (tool_choice {"type": "function", ...}) or asks for at least one call ("required") is decoded under a JSON
+schema, so that whatever the model, its output is a call that parses: the named function's arguments, or a list of
+{"name", "parameters"} objects over the tools offered. "auto" (the model choosing between text and a call) needs a
+parser of the model's own call syntax, which this server does not have, and is refused."""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+# A function without a parameters schema takes any object, as OpenAI's API reads it.
+ANY_OBJECT = {"type": "object"}
+
+
+class ToolError(ValueError):
+    """A tools or tool_choice value that cannot apply; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """How a request's output becomes tool calls. function: the one named by tool_choice, else None (required)."""
+
+    schema: str  # the JSON schema the output is decoded under
+    function: str | None
+
+    def calls(self, text: str) -> list[dict] | None:
+        """The output's calls, OpenAI's {"id", "type", "function": {"name", "arguments"}}; None where a list of
+        calls did not come whole (cut short by max_tokens or a stop string), and is then returned as text."""
+        if self.function is not None:
+            return [tool_call(self.function, text)]
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(parsed, list) or not all(isinstance(c, dict) and {"name", "parameters"} <= c.keys()
+                                                   for c in parsed):
+            return None
+        return [tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in parsed]
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The choice's message and finish reason: a list of calls finishes "tool_calls" rather than "stop", as
+        vLLM's do; the named function's call finishes as its text would."""
+        calls = self.calls(text)
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        if self.function is None and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return {"role": "assistant", "content": None, "tool_calls": calls}, finish_reason
+
+
+class ToolCallStream:
+    """A streamed answer's deltas: the named function's arguments as they come (the call's id, type and name with
+    the first), or a list of calls whole with its choice's last chunk (it parses only whole)."""
+
+    def __init__(self, plan: ToolCalls) -> None:
+        self.plan = plan
+        self.texts: dict[int, str] = {}  # a list of calls so far, by choice
+
+    def delta(self, index: int, text: str, first: bool, finish_reason: str | None) -> tuple[dict, str | None]:
+        delta: dict = {"role": "assistant"} if first else {}
+        if self.plan.function is not None:
+            call = tool_call(self.plan.function, text) if first else {"function": {"arguments": text}}
+            delta["tool_calls"] = [{"index": 0, **call}]
+            return delta, finish_reason
+        self.texts[index] = self.texts.get(index, "") + text
+        if finish_reason is None:
+            return delta, None
+        message, finish_reason = self.plan.message(self.texts.pop(index), finish_reason)
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        else:
+            delta["content"] = message["content"]
+        return delta, finish_reason
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def plan_tool_calls(tools: list[dict] | None, tool_choice: str | dict | None,
+                    parallel_tool_calls: bool = True) -> ToolCalls | None:
+    """The request's tool calls to decode, or None where its output is text (no tools, or tool_choice "none").
+    Raises ToolError naming the field at fault."""
+    functions = _functions(tools or [])
+    if tool_choice is None:
+        tool_choice = "auto" if functions else "none"
+    if tool_choice == "none":
+        return None
+    if not functions:
+        raise ToolError("tool_choice", f"tool_choice {json.dumps(tool_choice)} needs tools")
+    if tool_choice == "auto":
+        raise ToolError("tool_choice", 'tool_choice "auto" needs a parser of the model\'s own tool-call syntax, which '
+                        'this server does not have: set tool_choice "required" or name a function '
+                        '({"type": "function", "function": {"name": ...}}), or "none"')
+    if tool_choice == "required":
+        options = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                     "parameters": parameters},
+                    "required": ["name", "parameters"]} for name, parameters in functions.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
+        return ToolCalls(json.dumps(schema), None)
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise ToolError("tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+                        '"function": {"name": ...}}')
+    if name not in functions:
+        raise ToolError("tool_choice", f"tool_choice names {name!r}, which is not among the tools "
+                        f"({', '.join(functions)})")
+    return ToolCalls(json.dumps(functions[name]), name)
+
+
+def _functions(tools: list[dict]) -> dict[str, dict]:
+    """name -> parameters schema, checking each tool's shape."""
+    functions: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ToolError("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ToolError("tools", f"tools[{i}].function.name must be a non-empty string")
+        if name in functions:
+            raise ToolError("tools", f"tools[{i}].function.name {name!r} is given twice")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise ToolError("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+        functions[name] = parameters or ANY_OBJECT
+    return functions
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages for a chat template: an assistant's tool calls with their arguments as objects, as templates
+    iterate them (vLLM does the same); arguments that are not JSON stay text."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_with_parsed_arguments(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _with_parsed_arguments(call: dict) -> dict:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function = {**function, "arguments": json.loads(arguments)}
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}

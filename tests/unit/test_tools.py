@@ -1,0 +1,96 @@
+"""Tool calls planned as structured output (frontend/tools.py): the schemas, the refusals, and the calls read
+back from the text, whole and streamed."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from frontend.tools import ToolCallStream, ToolError, plan_tool_calls, template_messages
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any object
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_no_tools_or_none_decode_text():
+    assert plan_tool_calls(None, None) is None
+    assert plan_tool_calls([WEATHER], "none") is None
+
+
+def test_a_named_function_is_decoded_under_its_parameters():
+    plan = plan_tool_calls([WEATHER, TIME], NAMED)
+    assert json.loads(plan.schema) == WEATHER["function"]["parameters"] and plan.function == "get_weather"
+    message, finish = plan.message('{"city": "Paris"}', "stop")
+    [call] = message["tool_calls"]
+    assert message["content"] is None and finish == "stop"
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_required_is_a_list_of_calls_over_the_tools():
+    schema = json.loads(plan_tool_calls([WEATHER, TIME], "required").schema)
+    good = [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {"tz": 1}}]
+    jsonschema.validate(good, schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "other", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    single = json.loads(plan_tool_calls([WEATHER, TIME], "required", parallel_tool_calls=False).schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(good, single)
+
+    plan = plan_tool_calls([WEATHER, TIME], "required")
+    message, finish = plan.message(json.dumps(good), "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {"tz": 1})]
+    # Cut short, the list does not parse: it comes back as text, finish as it was.
+    assert plan.message('[{"name": "get_wea', "length") == ({"role": "assistant", "content": '[{"name": "get_wea'},
+                                                            "length")
+
+
+@pytest.mark.parametrize(("tools", "tool_choice", "field"), [
+    ([WEATHER], "auto", "tool_choice"),
+    ([WEATHER], None, "tool_choice"),  # OpenAI's default with tools is auto
+    (None, "required", "tool_choice"),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    ([WEATHER], {"type": "function"}, "tool_choice"),
+    ([WEATHER], "sometimes", "tool_choice"),
+    ([{"type": "function", "function": {}}], "required", "tools"),
+    ([{"type": "retrieval"}], "required", "tools"),
+    ([WEATHER, WEATHER], "required", "tools"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "required", "tools"),
+])
+def test_what_cannot_apply_is_refused_naming_the_field(tools, tool_choice, field):
+    with pytest.raises(ToolError) as info:
+        plan_tool_calls(tools, tool_choice)
+    assert info.value.field == field
+
+
+def test_streamed_calls_add_up_to_the_whole_ones():
+    named = ToolCallStream(plan_tool_calls([WEATHER], NAMED))
+    first, _ = named.delta(0, '{"city"', True, None)
+    later, finish = named.delta(0, ': "Rome"}', False, "stop")
+    assert first["role"] == "assistant" and first["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                                   "arguments": '{"city"'}
+    assert later == {"tool_calls": [{"index": 0, "function": {"arguments": ': "Rome"}'}}]} and finish == "stop"
+
+    required = ToolCallStream(plan_tool_calls([WEATHER, TIME], "required"))
+    text = '[{"name": "get_time", "parameters": {}}]'
+    assert required.delta(1, text[:10], True, None) == ({"role": "assistant"}, None)  # held until whole
+    last, finish = required.delta(1, text[10:], False, "stop")
+    assert finish == "tool_calls" and [c["function"]["name"] for c in last["tool_calls"]] == ["get_time"]
+    assert last["tool_calls"][0]["index"] == 0 and last["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+def test_earlier_calls_reach_the_template_with_their_arguments_as_objects():
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    odd = {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}
+    messages = [{"role": "assistant", "content": "", "tool_calls": [call, odd]},
+                {"role": "tool", "content": "12 C", "tool_call_id": "c1"}]
+    rendered = template_messages(messages)
+    assert rendered[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert rendered[0]["tool_calls"][1]["function"]["arguments"] == "not json"
+    assert rendered[1] == messages[1] and call["function"]["arguments"] == '{"city": "Oslo"}'  # not changed
