@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import logging
 import socket
@@ -275,6 +276,7 @@ class OpenAIServer:
             return error_response(500, f"internal error: {type(error).__name__}")
 
         app.get("/health")(self.health)
+        app.get("/version")(self.version)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model:path}")(self.model)  # (a name may hold slashes: org/model)
         app.post("/v1/completions")(self.completions)
@@ -288,6 +290,11 @@ class OpenAIServer:
     async def health(self) -> Response:
         """503 while the frontend drains, so that a load balancer sends new requests elsewhere."""
         return Response(status_code=503 if self.link.draining else 200)
+
+    @staticmethod
+    async def version() -> dict:
+        """vLLM's route: the server's version."""
+        return {"version": importlib.metadata.version("pagedserve")}
 
     def prometheus_metrics(self) -> Response:
         """Not async: a scrape reads the scheduler's stats, on a worker thread rather than the API's loop."""

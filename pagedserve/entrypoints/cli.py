@@ -111,9 +111,10 @@ def _generate(args: argparse.Namespace) -> int:
     from pagedserve.convert import FINISH_REASON_NAMES
     from pagedserve.service import API_KEY_ENV
 
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     request = build_request(
-        messages=[{"role": "user", "content": args.prompt}] if args.chat else None,
-        prompt=None if args.chat else args.prompt,
+        messages=[{"role": "user", "content": prompt}] if args.chat else None,
+        prompt=None if args.chat else prompt,
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos or None,
     )
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     up.set_defaults(handler=_up, parser=up)
 
     generate = commands.add_parser("generate", help="stream a completion from a running server")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", help="the prompt, or - to read it from standard input")
     generate.add_argument("--address", default=DEFAULT_ADDRESS)
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
     generate.add_argument("--max-tokens", type=int, default=128,

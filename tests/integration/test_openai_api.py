@@ -4,6 +4,8 @@ APIs: test_sampling_parameters.py."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import io
 import json
 import time
 
@@ -39,6 +41,7 @@ def num_running(api_stack) -> int:
 def test_models_health_tokenize_and_detokenize(api_stack, openai_client, tokenizer):
     assert [m.id for m in openai_client.models.list().data] == [MODEL]  # the model's own name, by default
     assert httpx.get(f"{api_stack.http_url}/health").status_code == 200
+    assert httpx.get(f"{api_stack.http_url}/version").json() == {"version": importlib.metadata.version("pagedserve")}
     tokens = httpx.post(f"{api_stack.http_url}/tokenize", json={"prompt": PROMPT}).json()
     assert tokens["tokens"] == tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
     text = httpx.post(f"{api_stack.http_url}/detokenize", json={"tokens": tokens["tokens"]}).json()
@@ -58,6 +61,21 @@ def test_greedy_completion_and_chat_equal_the_grpc_api(openai_client, grpc_clien
     rendered = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert chat.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+
+def test_the_generate_command_prints_the_apis_answer(api_stack, grpc_client, capsys, monkeypatch):
+    """`pagedserve generate`, the README's first try, with the prompt as an argument and from standard input."""
+    from pagedserve.entrypoints import cli
+
+    expected = grpc_client.generate(build_request(messages=CHAT, temperature=0.0, max_tokens=12))
+    argv = ["generate", "--address", api_stack.address, "--chat", "--temperature", "0", "--max-tokens", "12"]
+    assert cli.main([*argv, CHAT[0]["content"]]) == 0
+    assert capsys.readouterr().out == expected.text + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(CHAT[0]["content"]))
+    assert cli.main([*argv, "-"]) == 0
+    assert capsys.readouterr().out == expected.text + "\n"
+    assert cli.main([*argv, "--json", CHAT[0]["content"]]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == list(expected.token_ids)
 
 
 def test_streaming_sync_and_async_give_the_same_text_and_a_final_usage_chunk(api_stack, openai_client):
