@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import FrontendMetrics
-from frontend.tools import ToolCallStream, ToolError, plan_tool_calls, template_messages
+from frontend.tools import ToolError, plan_tool_calls, template_messages
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
@@ -245,14 +245,16 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
 class OpenAIServer:
     def __init__(self, link, tokenizer: Any, served_model_names: tuple[str, ...], max_model_len: int,
                  vocab_size: int, max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None,
-                 metrics: FrontendMetrics | None = None) -> None:
+                 metrics: FrontendMetrics | None = None, tool_call_parser: str | None = None) -> None:
         """served_model_names: what requests may name the model (responses name it by the first);
         api_key_ok: checks an `authorization` header's value; None: the API is open; metrics: served on
-        /metrics (without, that route is a 404)."""
+        /metrics (without, that route is a 404); tool_call_parser: reads the calls of tool_choice "auto" (none:
+        "auto" is refused)."""
         self.link, self.tokenizer, self.metrics = link, tokenizer, metrics
         self.model_names, self.model_name = served_model_names, served_model_names[0]
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_prompt_chars, self.api_key_ok = max_prompt_chars, api_key_ok
+        self.tool_call_parser = tool_call_parser
         self.created = int(time.time())
         self.app = self._build_app()
 
@@ -462,17 +464,19 @@ class OpenAIServer:
         if body.functions:
             raise APIError(400, "functions, OpenAI's older form of tools, are not supported: give tools", "functions")
         try:
-            tool_calls = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls)
+            tool_calls = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
         except ToolError as error:
             raise APIError(400, str(error), error.field) from None
         inp = self._sampling_input(body, request)
         inp.messages = template_messages(_messages(body.messages))
         inp.tools = body.tools
-        if tool_calls is not None:
+        if tool_calls is not None and tool_calls.schema is not None:
             if inp.json_schema is not None or inp.json_object or inp.regex is not None or inp.choice is not None:
                 raise APIError(400, "tool calls are decoded under their own schema: give no response_format or "
                                     "guided_* with tool_choice", "tool_choice")
             inp.json_schema = tool_calls.schema
+        if tool_calls is not None and not tool_calls.skip_special_tokens:
+            inp.skip_special_tokens = False  # the parser reads the call markers
         for name, value in _chat_options(body).items():
             setattr(inp, name, value)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -497,7 +501,7 @@ class OpenAIServer:
         call = self._call(prompt_ids, params, inp)
         if body.stream:
             chunk = functools.partial(self._chat_chunk,
-                                      tool_calls=None if tool_calls is None else ToolCallStream(tool_calls))
+                                      tool_calls=None if tool_calls is None else tool_calls.stream())
             return self._sse(request, [call], response_id, inp.request_id, [chunk], "chat.completion.chunk",
                              body.stream_options)
         [deltas] = await self._collect(request, [call])
@@ -645,7 +649,8 @@ class OpenAIServer:
             raise APIError(500, "the prompt's logprobs did not come back from the back end")
         return [SampledToken(prompt_ids[0])] + (prompt_logprobs or [])
 
-    def _chat_chunk(self, delta: ChoiceDelta, first: bool, tool_calls: ToolCallStream | None = None) -> dict:
+    def _chat_chunk(self, delta: ChoiceDelta, first: bool, tool_calls=None) -> dict:
+        """tool_calls: the stream of the request's tool-call plan (frontend/tools.py), which shapes the deltas."""
         if tool_calls is not None:
             message, finish_reason = tool_calls.delta(delta.index, delta.text, first, delta.finish_reason)
         else:

@@ -364,6 +364,13 @@ class ServingConfig(_Config):
     max_message_bytes: int = option(4 << 20, "largest request or response on the public port, in bytes (the "
                                               "internal ports take a step of the longest context)",
                                     min=64 << 10, max=256 << 20)
+    enable_auto_tool_choice: bool = option(False, "the HTTP API's tool_choice \"auto\" (also the default when a "
+                                                  "request gives tools): the model chooses between text and tool "
+                                                  "calls, which `tool_call_parser` reads from its output")
+    tool_call_parser: str | None = option(None, "how the model writes a tool call, for tool_choice \"auto\": "
+                                                "`hermes` (<tool_call>{\"name\": ..., \"arguments\": ...}"
+                                                "</tool_call>: Qwen2.5, Qwen3, Hermes and others)",
+                                          choices=("hermes",))
     max_prompt_chars: int | None = option(
         None, "longest prompt in characters (chat messages counted together), refused before tokenizing "
               f"(default: {PROMPT_CHARS_PER_TOKEN} per token of the context length)", min=1)
@@ -407,6 +414,8 @@ class ServingConfig(_Config):
         super().__post_init__()
         if self.served_model_name is not None and not all(name.strip() for name in self.served_model_name):
             raise ValueError(f"served_model_name must be non-empty names, got {self.served_model_name!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser: how the model writes its calls")
         if self.http_address and not re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^:\s]+):\d{1,5}", self.http_address):
             raise ValueError(f"http_address must be host:port, got {self.http_address!r}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -170,6 +170,32 @@ def test_tool_calls_named_and_required_come_whole_and_streamed(openai_client):
     assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
 
 
+def test_tool_choice_auto_reads_the_models_hermes_calls_or_gives_its_text(openai_client):
+    """The stack serves with --enable-auto-tool-choice --tool-call-parser hermes. Shown two calls in the hermes
+    syntax, the model writes a third, which comes back as a call, whole and streamed; asked a plain question, it
+    answers in text."""
+    system = {"role": "system", "content": 'To call a tool, answer with <tool_call>{"name": ..., "arguments": '
+                                           '{...}}</tool_call>.'}
+    shots = []
+    for city in ("Rome", "Oslo"):
+        call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+        shots += [{"role": "user", "content": f"What is the weather in {city}?"},
+                  {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"}]
+    kwargs = dict(model=MODEL, messages=[system, *shots, *QUESTION], tools=TOOLS, temperature=0, max_tokens=60)
+    whole = openai_client.chat.completions.create(**kwargs)
+    [call] = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    streamed = [chunk.choices[0] for chunk in openai_client.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices]
+    [piece] = [piece for choice in streamed for piece in choice.delta.tool_calls or []]
+    assert (piece.function.name, piece.function.arguments) == (call.function.name, call.function.arguments)
+    assert streamed[-1].finish_reason == "tool_calls"
+
+    text = openai_client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, temperature=0, max_tokens=16)
+    assert "Paris" in text.choices[0].message.content and not text.choices[0].message.tool_calls
+
+
 def test_echo_with_logprobs_streams_the_prompts_logprobs_first_for_every_choice(openai_client, tokenizer):
     kwargs = dict(model=MODEL, prompt=PROMPT, n=2, seed=3, temperature=1.0, max_tokens=5, echo=True, logprobs=1)
     whole = openai_client.completions.create(**kwargs)
@@ -257,9 +283,7 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}},
      "guided_regex"),
-    # Tools: "auto" (OpenAI's default with tools) needs a parser of the model's call syntax, which this server has not.
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tool_choice"),
+    # Tools ("auto" on a server without a parser: tests/unit/test_tools.py).
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {}}],
                               "tool_choice": "required"}, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {

@@ -37,7 +37,8 @@ CHANGED = PagedServeConfig(
     ServingConfig(host="0.0.0.0", port=1234, executor="e:1", kvcache="k:2", scheduler="s:3", log_level="DEBUG",
                   startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2,
                   http_address="0.0.0.0:8080", served_model_name=("my-model", "alias"),
-                  max_message_bytes=1 << 20, max_prompt_chars=999,
+                  max_message_bytes=1 << 20, max_prompt_chars=999, enable_auto_tool_choice=True,
+                  tool_call_parser="hermes",
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
                   internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2,
                   advertise_address="x:4", heartbeat_ttl=1.5, cpus="0-3", control_plane_cpus="1", nice=3,
@@ -80,6 +81,10 @@ def test_cross_field_rules():
         ServingConfig(tls_ca=A_FILE)
     with pytest.raises(ValueError, match="^api_key_file must name a readable file"):
         ServingConfig(api_key_file="/nonexistent/keys")
+    with pytest.raises(ValueError, match="^enable_auto_tool_choice needs tool_call_parser"):
+        ServingConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="^tool_call_parser must be one of"):
+        ServingConfig(tool_call_parser="mistral")
 
 
 def test_unknown_keyword_is_refused_by_name():

@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 
 from frontend.tools import ToolCallStream, ToolError, plan_tool_calls, template_messages
+from tests.support.http_app import http_app
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -94,3 +95,49 @@ def test_earlier_calls_reach_the_template_with_their_arguments_as_objects():
     assert rendered[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert rendered[0]["tool_calls"][1]["function"]["arguments"] == "not json"
     assert rendered[1] == messages[1] and call["function"]["arguments"] == '{"city": "Oslo"}'  # not changed
+
+
+HERMES_OUTPUT = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def test_auto_needs_the_servers_parser_and_then_reads_hermes_calls():
+    plan = plan_tool_calls([WEATHER, TIME], "auto", auto_parser="hermes")
+    assert plan.schema is None and plan_tool_calls([WEATHER], None, auto_parser="hermes") is not None
+    message, finish = plan.message(HERMES_OUTPUT, "stop")
+    assert message["content"] == "Let me look." and finish == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    assert plan.message("Sunny, I think.", "stop") == ({"role": "assistant", "content": "Sunny, I think."}, "stop")
+    broken = 'Well <tool_call>{"name": get_weather}</tool_call>'  # not JSON: the text, whole
+    assert plan.message(broken, "stop") == ({"role": "assistant", "content": broken}, "stop")
+    # A call cut short by max_tokens whose JSON still closed is a call; finish stays length.
+    assert plan.message('<tool_call>{"name": "get_time", "arguments": {}}', "length")[1] == "length"
+
+
+@pytest.mark.parametrize("text", [HERMES_OUTPUT, "Just text, with a < and a <tool", 'A <tool_call>{"name": 1}'])
+def test_auto_streamed_adds_up_to_the_whole_answer_wherever_the_text_splits(text):
+    plan = plan_tool_calls([WEATHER, TIME], "auto", auto_parser="hermes")
+    whole, whole_finish = plan.message(text, "stop")
+    for cut in range(1, len(text)):
+        for pieces in ([text[:cut], text[cut:]], [text[:cut], text[cut:-1], text[-1]]):
+            stream = plan.stream()
+            deltas = [stream.delta(0, piece, i == 0, "stop" if i == len(pieces) - 1 else None)
+                      for i, piece in enumerate(pieces)]
+            content = "".join(d.get("content", "") for d, _ in deltas)
+            calls = [c for d, _ in deltas for c in d.get("tool_calls", [])]
+            assert deltas[-1][1] == whole_finish
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls") or []]
+            if whole.get("tool_calls"):
+                assert content.strip() == (whole["content"] or "")
+            else:
+                assert content == text
+
+
+def test_a_server_without_a_parser_refuses_auto_over_http_saying_what_to_send():
+    for choice in ({}, {"tool_choice": "auto"}):  # with tools, OpenAI's default is auto
+        response = http_app().post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], **choice})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+        assert '"required"' in response.json()["error"]["message"]
