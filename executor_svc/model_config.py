@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": None,
+    "smollm3": None,  # Llama with the rotary embedding left out of some layers (no_rope_layers)
+    "granite": None,  # Llama with multipliers: embeddings, residual branches, attention scale, logits
 }
 # Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
 QK_NORM_ARCHITECTURES = frozenset({"qwen3"})
@@ -50,6 +52,11 @@ class ModelArchitecture:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     hf_config: object  # the transformers config, for the RoPE tables
+    attention_scale: float  # the scores' factor: head_dim ** -0.5 but where the config sets its own
+    no_rope_layers: frozenset[int] = frozenset()  # layers whose q and k take no rotary embedding
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0  # on each attention and MLP output before it joins the residual stream
+    logits_scaling: float = 1.0  # the logits are divided by it
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -97,6 +104,13 @@ class ModelArchitecture:
             max_model_len=max_model_len,
             eos_token_ids=eos_ids,
             hf_config=hf_config,
+            attention_scale=float(getattr(hf_config, "attention_multiplier", None) or head_dim**-0.5),
+            # SmolLM3's no_rope_layers holds 1 for each layer that does use the rotary embedding.
+            no_rope_layers=frozenset(i for i, rope in enumerate(getattr(hf_config, "no_rope_layers", None) or [])
+                                     if not rope),
+            embedding_multiplier=float(getattr(hf_config, "embedding_multiplier", 1.0)),
+            residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
+            logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
         )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
@@ -126,6 +140,6 @@ def _active_sliding_window(hf_config) -> int | None:
     window = getattr(hf_config, "sliding_window", None)
     if window is None:
         return None
-    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+    if hf_config.model_type in ("qwen2", "qwen3", "smollm3") and not getattr(hf_config, "use_sliding_window", False):
         return None
     return int(window)

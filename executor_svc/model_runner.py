@@ -123,7 +123,7 @@ class ModelRunner:
         self.attention_backend_name = backend_cls.name
         logger.info("attention backend %s (%s)", self.attention_backend_name, reason)
         self.attention = backend_cls(
-            self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.config.head_dim**-0.5
+            self.config.num_heads, self.config.num_kv_heads, self.config.head_dim, self.config.attention_scale
         )
         # The CPU kernels' extension fuses the decoder's elementwise steps too; with the torch backend the model
         # keeps torch's operators, the reference.

@@ -8,7 +8,7 @@ import torch
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -27,6 +27,13 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
     if kind == "qwen3":  # a head_dim of its own, not hidden_size / heads, as Qwen3's configs have
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    if kind == "smollm3":  # the rotary embedding left out of layer 1
+        return SmolLM3Config(**common, tie_word_embeddings=True, no_rope_layers=[1, 0], pad_token_id=None,
+                             rope_parameters={"rope_type": "default", "rope_theta": 2000000.0})
+    if kind == "granite":  # multipliers away from 1, the attention scale not head_dim ** -0.5
+        return GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.4,
+                             attention_multiplier=0.11, logits_scaling=2.5,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if kind == "mistral":
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     raise ValueError(kind)

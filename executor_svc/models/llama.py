@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over a flat batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite) over a flat batch of tokens.
 
 Every token of a step, from every request, prefill chunks and decodes alike, is one row of a
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told
@@ -133,9 +133,10 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None, rotary: bool = True) -> None:
         super().__init__()
         self.fused_ops = fused_ops
+        self.rotary = rotary
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -154,9 +155,9 @@ class Attention(nn.Module):
             # Per head, in place in the projection's output (its rows are strided: the norm runs on a dense copy).
             q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1))
             k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1))
-        if self.fused_ops is not None and q.dtype in FUSED_DTYPES:
+        if self.rotary and self.fused_ops is not None and q.dtype in FUSED_DTYPES:
             self.fused_ops.rotary(q, k, cos, sin, self.head_dim)  # in place, in the projection's output
-        else:
+        elif self.rotary:
             q = _apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
             k = _apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
@@ -188,12 +189,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.self_attn = Attention(config, attention_backend, fused_ops)
+        self.self_attn = Attention(config, attention_backend, fused_ops, rotary=index not in config.no_rope_layers)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.mlp = MLP(config, fused_ops)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(self, hidden, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next norm adds the two. residual is
@@ -202,8 +204,14 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_layernorm(hidden), hidden
         else:
             normed, residual = self.input_layernorm(hidden, residual)
-        normed, residual = self.post_attention_layernorm(self.self_attn(normed, cos, sin, kv_cache, meta), residual)
-        return self.mlp(normed), residual
+        attended = self.self_attn(normed, cos, sin, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            attended.mul_(self.residual_multiplier)
+        normed, residual = self.post_attention_layernorm(attended, residual)
+        out = self.mlp(normed)
+        if self.residual_multiplier != 1.0:
+            out.mul_(self.residual_multiplier)
+        return out, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -212,8 +220,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, attention_backend, fused_ops)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, attention_backend, fused_ops, index)
+                                    for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(
@@ -230,6 +238,8 @@ class LlamaForCausalLM(nn.Module):
         meta,  # the attention backend's metadata for this step
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
         cos, sin = self.rotary(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -238,8 +248,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return linear(hidden, self.embed_tokens.weight, None, self.fused_ops, self.packed_head).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = linear(hidden, self.embed_tokens.weight, None, self.fused_ops, self.packed_head)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        return logits.float()
 
     def weight_numel(self) -> int:
         """Weights held: the parameters, a packed layer's as the plain weight it replaced (a tied head's packed copy
