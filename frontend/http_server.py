@@ -30,6 +30,9 @@ from starlette.exceptions import HTTPException
 
 from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import FrontendMetrics
+from frontend.responses import (ResponseEvents, ResponsesError, chat_messages, chat_tool_choice, chat_tools,
+                                finished, output_items, text_format)
+from frontend.responses import usage as responses_usage
 from frontend.tools import ToolError, plan_tool_calls, template_messages
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.sampling_params import SamplingParams
@@ -47,6 +50,9 @@ OPEN_PATHS = ("/health", "/metrics")
 # Request fields whose name differs on this API from the validation's (GenerateInput's).
 HTTP_PARAM = {"json_schema": "response_format", "json_object": "response_format", "request_id": "X-Request-Id",
               "prompt_token_ids": "prompt", "regex": "guided_regex", "choice": "guided_choice"}
+# The Responses API's names for the chat path's fields.
+RESPONSES_PARAM = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens",
+                   "response_format": "text"}
 ERROR_STATUS = {"overloaded": 429, "error": 500, "unavailable": 503}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
               429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable"}
@@ -214,6 +220,29 @@ class ChatRequest(_Sampling):
     functions: list[dict] | None = None  # OpenAI's older form of tools: refused, not ignored
 
 
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API: the fields this server acts on (others, such as reasoning or include, are
+    ignored, as unknown fields are)."""
+    model: str | None = None
+    input: str | list[dict]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    priority: int = 0
+    stream: bool = False
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    text: dict | None = None
+    metadata: dict | None = None
+    store: bool | None = None  # nothing is stored: the response says store false
+    previous_response_id: str | None = None
+    background: bool = False
+    user: str | None = None
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
@@ -283,6 +312,7 @@ class OpenAIServer:
         app.get("/v1/models/{model:path}")(self.model)  # (a name may hold slashes: org/model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/responses")(self.responses)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         if self.metrics is not None:
@@ -463,20 +493,9 @@ class OpenAIServer:
         body = parse_body(ChatRequest, await request.body())
         if body.functions:
             raise APIError(400, "functions, OpenAI's older form of tools, are not supported: give tools", "functions")
-        try:
-            tool_calls = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
-        except ToolError as error:
-            raise APIError(400, str(error), error.field) from None
         inp = self._sampling_input(body, request)
         inp.messages = template_messages(_messages(body.messages))
-        inp.tools = body.tools
-        if tool_calls is not None and tool_calls.schema is not None:
-            if inp.json_schema is not None or inp.json_object or inp.regex is not None or inp.choice is not None:
-                raise APIError(400, "tool calls are decoded under their own schema: give no response_format or "
-                                    "guided_* with tool_choice", "tool_choice")
-            inp.json_schema = tool_calls.schema
-        if tool_calls is not None and not tool_calls.skip_special_tokens:
-            inp.skip_special_tokens = False  # the parser reads the call markers
+        tool_calls = self._plan_tools(inp, body.tools, body.tool_choice, body.parallel_tool_calls)
         for name, value in _chat_options(body).items():
             setattr(inp, name, value)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -520,6 +539,99 @@ class OpenAIServer:
             })
         return self._json({"id": response_id, "object": "chat.completion", "created": int(time.time()),
                            "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
+
+    def _plan_tools(self, inp: GenerateInput, tools: list[dict] | None, tool_choice: str | dict | None,
+                    parallel_tool_calls: bool):
+        """How the output becomes tool calls (frontend/tools.py), or None: the tools go to the template, and the
+        plan's schema (a named function's, or "required"'s list of calls) to the structured output."""
+        try:
+            plan = plan_tool_calls(tools, tool_choice, parallel_tool_calls, self.tool_call_parser)
+        except ToolError as error:
+            raise APIError(400, str(error), error.field) from None
+        inp.tools = tools
+        if plan is not None and plan.schema is not None:
+            if inp.json_schema is not None or inp.json_object or inp.regex is not None or inp.choice is not None:
+                raise APIError(400, "tool calls are decoded under their own schema: give no other structured output "
+                                    "with tool_choice", "tool_choice")
+            inp.json_schema = plan.schema
+        if plan is not None and not plan.skip_special_tokens:
+            inp.skip_special_tokens = False  # the parser reads the call markers
+        return plan
+
+    # ---------------------------------------------------------------- the Responses API
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API on the chat path (frontend/responses.py), whole or as its stream of events."""
+        body = parse_body(ResponsesRequest, await request.body())
+        self._check_model(body.model)
+        for name in ("previous_response_id", "background"):
+            if getattr(body, name):
+                raise APIError(400, f"{name} is not supported: this server keeps no responses", name)
+        inp = GenerateInput(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+                            max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+                            seed=body.seed, priority=body.priority)
+        try:
+            inp.messages = template_messages(chat_messages(body.input, body.instructions))
+            inp.json_schema, inp.json_object = text_format(body.text)
+            tools = chat_tools(body.tools)
+            tool_choice = chat_tool_choice(body.tool_choice)
+        except ResponsesError as error:
+            raise APIError(400, str(error), error.field) from None
+        plan = self._plan_tools(inp, tools, tool_choice, body.parallel_tool_calls)
+        try:
+            prompt_ids, params = self._validate(inp)
+        except APIError as error:  # named by this API's fields
+            param = RESPONSES_PARAM.get(error.param, error.param)
+            if param == "text" and plan is not None and plan.schema is not None:
+                param = "tools"
+            message = str(error).removeprefix(f"{error.param}: ")
+            raise APIError(400, message if message.startswith(param) else f"{param}: {message}", param) from None
+        response = {"id": f"resp_{inp.request_id}", "object": "response", "created_at": int(time.time()),
+                    "status": "in_progress", "model": self.model_name, "output": [], "usage": None, "error": None,
+                    "incomplete_details": None, "instructions": body.instructions,
+                    "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
+                    "top_p": body.top_p, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+                    "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}},
+                    "store": False, "metadata": body.metadata or {}, "previous_response_id": None}
+        call = self._call(prompt_ids, params, inp)
+        if body.stream:
+            return StreamingResponse(self._response_events(request, call, response, plan),
+                                     media_type="text/event-stream", headers={"X-Request-Id": inp.request_id})
+        [deltas] = await self._collect(request, [call])
+        text, finish_reason = "".join(d.text for d in deltas), deltas[-1].finish_reason
+        message = {"role": "assistant", "content": text}
+        if plan is not None:
+            message, finish_reason = plan.message(text, finish_reason)
+        counts = _usage(deltas)
+        return self._json(finished(response, output_items(message), finish_reason,
+                                   responses_usage(counts["prompt_tokens"], counts["completion_tokens"])),
+                          inp.request_id)
+
+    async def _response_events(self, request: Request, call: GenerateCall, response: dict, plan):
+        events = ResponseEvents(response)
+        stream = plan.stream() if plan is not None else None
+        prompt_tokens = completion_tokens = 0
+        finish_reason = None
+
+        def encode(batch: list[dict]) -> str:
+            return "".join(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n" for event in batch)
+
+        yield encode(events.start())
+        first = True
+        try:
+            async for _, delta in self._merged_deltas(request, [call]):
+                if stream is not None:
+                    chat_delta, finish_reason = stream.delta(delta.index, delta.text, first, delta.finish_reason)
+                else:
+                    chat_delta, finish_reason = {"content": delta.text}, delta.finish_reason
+                first = False
+                if delta.usage is not None:
+                    prompt_tokens, completion_tokens = delta.usage.prompt_tokens, delta.usage.completion_tokens
+                yield encode(events.delta(chat_delta))
+        except APIError as error:
+            yield encode(events.failed(error.code or "server_error", str(error)))
+            return
+        yield encode(events.finish(finish_reason, responses_usage(prompt_tokens, completion_tokens)))
 
     def _call(self, prompt_ids, params, inp: GenerateInput, prompt_only: bool = False) -> GenerateCall:
         # Refused here, before a stream's 200 goes out; the link refuses one that slips past (as an error event).

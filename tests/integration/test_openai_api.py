@@ -196,6 +196,48 @@ def test_tool_choice_auto_reads_the_models_hermes_calls_or_gives_its_text(openai
     assert "Paris" in text.choices[0].message.content and not text.choices[0].message.tool_calls
 
 
+def test_the_responses_api_answers_as_chat_does_whole_and_streamed(openai_client):
+    """/v1/responses over the chat path: the same greedy text as the chat API, usage, a cut-short answer
+    incomplete; streamed, the typed events add up to the whole response; function tools and a conversation that
+    carries a call and its output."""
+    chat = openai_client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=20)
+    whole = openai_client.responses.create(model=MODEL, input=CHAT[0]["content"], temperature=0, max_output_tokens=20)
+    assert whole.status == "completed" and whole.output_text == chat.choices[0].message.content
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                     chat.usage.completion_tokens)
+    short = openai_client.responses.create(model=MODEL, input=CHAT, temperature=0, max_output_tokens=3)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+    events = list(openai_client.responses.create(model=MODEL, input=CHAT[0]["content"], temperature=0,
+                                                 max_output_tokens=20, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == "response.completed"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+
+    tools = [{"type": "function", "name": tool["function"]["name"], "parameters": tool["function"]["parameters"]}
+             for tool in TOOLS]
+    called = openai_client.responses.create(model=MODEL, input=QUESTION, tools=tools, tool_choice="required",
+                                            temperature=0, max_output_tokens=80)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and all(call.name in ("get_weather", "get_time") and json.loads(call.arguments) for call in calls)
+    streamed = list(openai_client.responses.create(model=MODEL, input=QUESTION, tools=tools, temperature=0,
+                                                   tool_choice={"type": "function", "name": "get_weather"},
+                                                   max_output_tokens=80, stream=True))
+    [done] = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert done.type == "function_call" and done.name == "get_weather"
+    assert "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta") == done.arguments
+
+    call = calls[0]
+    answered = openai_client.responses.create(model=MODEL, tools=tools, tool_choice="none", temperature=0,
+                                              max_output_tokens=10, input=[
+        *QUESTION, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}])
+    assert answered.output_text and answered.output[0].type == "message"
+
+
 def test_echo_with_logprobs_streams_the_prompts_logprobs_first_for_every_choice(openai_client, tokenizer):
     kwargs = dict(model=MODEL, prompt=PROMPT, n=2, seed=3, temperature=1.0, max_tokens=5, echo=True, logprobs=1)
     whole = openai_client.completions.create(**kwargs)
@@ -283,6 +325,15 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "guided_regex": "a+", "response_format": {"type": "json_object"}},
      "guided_regex"),
+    # The Responses API.
+    ("/v1/responses", {"input": []}, "input"),
+    ("/v1/responses", {"input": [{"type": "image", "url": "x"}]}, "input"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
+    ("/v1/responses", {"input": "hi", "temperature": -1}, "temperature"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": 5}}}}, "text"),
+    ("/v1/responses", {"input": [{"role": "wizard", "content": "hi"}]}, "input"),
     # Tools ("auto" on a server without a parser: tests/unit/test_tools.py).
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {}}],
                               "tool_choice": "required"}, "tools"),
