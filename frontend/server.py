@@ -18,6 +18,7 @@ from google.protobuf import json_format
 
 from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import BackendStats, FrontendMetrics
+from frontend.tools import template_messages
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.convert import FINISH_REASONS, sampling_to_proto, scheduler_update_from_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -215,13 +216,25 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         inp.prompt_token_ids = list(request.prompt_token_ids.ids)
     elif which == "messages":
         chat = request.messages
-        inp.messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        inp.messages = template_messages([_chat_message(m) for m in chat.messages])
+        if chat.HasField("tools"):
+            inp.tools = json_format.MessageToDict(chat.tools)
         if chat.HasField("add_generation_prompt"):
             inp.add_generation_prompt = chat.add_generation_prompt
         inp.continue_final_message = chat.continue_final_message
         if chat.HasField("chat_template_kwargs"):
             inp.chat_template_kwargs = json_format.MessageToDict(chat.chat_template_kwargs)
     return inp
+
+
+def _chat_message(message: generate_pb2.ChatMessage) -> dict:
+    out = {"role": message.role, "content": message.content}
+    for name in ("name", "tool_call_id"):
+        if getattr(message, name):
+            out[name] = getattr(message, name)
+    if message.HasField("tool_calls"):
+        out["tool_calls"] = json_format.MessageToDict(message.tool_calls)
+    return out
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):

@@ -188,7 +188,7 @@ def plan_tool_calls(tools: list[dict] | None, tool_choice: str | dict | None, pa
     """How the request's output becomes tool calls, or None where it is text (no tools, or tool_choice "none").
     auto_parser: the server's parser for "auto" (TOOL_CALL_PARSERS), None where "auto" is refused. Raises
     ToolError naming the field at fault."""
-    functions = _functions(tools or [])
+    functions = function_schemas(tools or [])
     if tool_choice is None:
         tool_choice = "auto" if functions else "none"
     if tool_choice == "none":
@@ -220,8 +220,8 @@ def plan_tool_calls(tools: list[dict] | None, tool_choice: str | dict | None, pa
     return ToolCalls(json.dumps(functions[name]), name)
 
 
-def _functions(tools: list[dict]) -> dict[str, dict]:
-    """name -> parameters schema, checking each tool's shape."""
+def function_schemas(tools: list) -> dict[str, dict]:
+    """name -> parameters schema, checking each tool's shape (ToolError naming tools where one is amiss)."""
     functions: dict[str, dict] = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None

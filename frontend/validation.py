@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from frontend.tools import ToolError, function_schemas
 from pagedserve.chat import ChatOptionError, ChatTemplateRejected, render_chat
 from pagedserve.sampling_params import SamplingParams
 
@@ -213,6 +214,11 @@ def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_s
         ids = list(ids)
     else:
         _check_messages(inp.messages)
+        if inp.tools is not None:
+            try:
+                function_schemas(inp.tools)
+            except ToolError as e:
+                raise ValidationError("tools", str(e)) from None
         try:
             text = render_chat(tokenizer, inp.messages, inp.add_generation_prompt, inp.continue_final_message,
                                inp.chat_template_kwargs, inp.tools)

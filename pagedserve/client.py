@@ -23,8 +23,9 @@ class Completion:
 def build_request(prompt=None, *, prompt_token_ids=None, messages=None, request_id: str = "",
                   cache_salt: str = "", priority: int = 0, add_generation_prompt: bool | None = None,
                   continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                  **sampling) -> generate_pb2.GenerateRequest:
-    """A Generate request; the chat options apply to messages (generate.proto's ChatMessages)."""
+                  tools: list[dict] | None = None, **sampling) -> generate_pb2.GenerateRequest:
+    """A Generate request; the chat options and tools apply to messages (generate.proto's ChatMessages), each
+    message a dict of ChatMessage's fields."""
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields: {sorted(unknown)}")
@@ -34,14 +35,21 @@ def build_request(prompt=None, *, prompt_token_ids=None, messages=None, request_
     if prompt_token_ids is not None:
         request.prompt_token_ids.ids[:] = prompt_token_ids
     if messages is not None:
-        request.messages.messages.extend(generate_pb2.ChatMessage(**m) for m in messages)
+        for message in messages:
+            fields = {key: value for key, value in message.items() if key != "tool_calls" and value is not None}
+            added = request.messages.messages.add(**fields)
+            if message.get("tool_calls"):
+                added.tool_calls.extend(message["tool_calls"])
         if add_generation_prompt is not None:
             request.messages.add_generation_prompt = add_generation_prompt
         request.messages.continue_final_message = continue_final_message
         if chat_template_kwargs is not None:
             request.messages.chat_template_kwargs.update(chat_template_kwargs)
-    elif add_generation_prompt is not None or continue_final_message or chat_template_kwargs is not None:
-        raise TypeError("add_generation_prompt, continue_final_message and chat_template_kwargs apply to messages")
+        if tools is not None:
+            request.messages.tools.extend(tools)
+    elif add_generation_prompt is not None or continue_final_message or chat_template_kwargs is not None or tools:
+        raise TypeError("add_generation_prompt, continue_final_message, chat_template_kwargs and tools apply to "
+                        "messages")
     for name, value in sampling.items():
         if value is None:
             continue

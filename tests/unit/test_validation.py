@@ -1,6 +1,7 @@
 """validate_and_tokenize: each bad field rejected by name; good requests tokenized as the tokenizer does."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -48,6 +49,7 @@ BAD = [
     ("messages", dict(messages=[{"role": "user", "content": ["hi"]}])),
     ("messages", dict(messages=[{"content": "hi"}])),
     ("messages", dict(messages=["hi"])),
+    ("tools", dict(messages=USER, tools=[{"type": "function", "function": {}}])),
     ("max_tokens", dict(max_tokens=0)),
     ("max_tokens", dict(max_tokens=MAX_MODEL_LEN)),  # prompt + max_tokens > context
     ("temperature", dict(temperature=-0.1)),
@@ -123,6 +125,28 @@ def test_developer_messages_go_to_the_template_as_they_are(tok):
     """OpenAI's newer clients send their instructions as role "developer"; as in vLLM, the template renders it."""
     ids, _ = validate(tok, messages=[{"role": "developer", "content": "Be brief."}] + USER)
     assert "<|im_start|>developer\nBe brief.<|im_end|>\n<|im_start|>user\nhi" in tok.decode(ids, skip_special_tokens=False)
+
+
+def test_tools_and_earlier_calls_reach_the_template_from_either_api(tok):
+    """gRPC's ChatMessages.tools and ChatMessage.tool_calls arrive as the HTTP API's do: a template that shows
+    tools gets them, and an earlier call its arguments as an object."""
+    from frontend.server import _generate_input
+    from pagedserve.client import build_request
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = USER + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "content": "12 C", "tool_call_id": "c1", "name": "get_weather"}]
+    inp = _generate_input(build_request(messages=messages, tools=tools, max_tokens=4))
+    assert inp.tools == tools and inp.messages[2] == messages[2]
+    assert inp.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+
+    showing = copy.deepcopy(tok)  # a template that renders the tools and the calls
+    showing.chat_template = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                             "{% for c in m.tool_calls or [] %}[call {{ c.function.arguments.city }}]{% endfor %}"
+                             "{{ m.content }}{% endfor %}")
+    text = showing.decode(validate_and_tokenize(inp, showing, 1000, VOCAB)[0])
+    assert text == "[tool get_weather]hi[call Oslo]12 C"
 
 
 def test_context_boundaries(tok):
