@@ -177,15 +177,17 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[GenerationResult]:
         """Applies the model's chat template to each conversation (a list of {role, content}) and generates;
-        the options are pagedserve/chat.py's."""
+        the options are pagedserve/chat.py's (tools: OpenAI's function definitions, for a template that shows
+        them; the answer is text)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = [render_chat(self.tokenizer, list(messages), add_generation_prompt, continue_final_message,
-                               chat_template_kwargs) for messages in conversations]
+                               chat_template_kwargs, tools) for messages in conversations]
         return self.generate(prompts, sampling_params)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:

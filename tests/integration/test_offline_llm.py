@@ -63,6 +63,15 @@ def test_chat_carries_on_a_begun_answer_with_continue_final_message(smollm2):
         smollm2.chat(begun, params, continue_final_message=True)  # add_generation_prompt left true
 
 
+def test_chat_shows_the_tools_to_a_template_that_renders_them(smollm2, monkeypatch):
+    monkeypatch.setattr(smollm2.tokenizer, "chat_template",
+                        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    [result] = smollm2.chat([{"role": "user", "content": "Weather?"}], params, tools=tools)
+    assert smollm2.tokenizer.decode(result.prompt_token_ids) == "[get_weather]Weather?"
+
+
 def test_results_come_back_in_input_order_for_text_and_token_prompts(smollm2):
     token_prompt = smollm2.tokenizer.encode("The capital of France is")
     params = SamplingParams(temperature=0, max_tokens=5)
