@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException
 
 from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import FrontendMetrics
+from frontend.reasoning import ReasoningStream, split_reasoning
 from frontend.responses import (ResponseEvents, ResponsesError, chat_messages, chat_tool_choice, chat_tools,
                                 finished, output_items, text_format)
 from frontend.responses import usage as responses_usage
@@ -203,6 +204,10 @@ class Message(_Body):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls, earlier in the conversation
     tool_call_id: str | None = None  # a tool's answer: to which call
+    # An assistant's thinking earlier in the conversation (vLLM's name, and DeepSeek's older one), which some
+    # templates show again.
+    reasoning: str | None = pydantic.Field(None, validation_alias=pydantic.AliasChoices("reasoning",
+                                                                                       "reasoning_content"))
 
 
 class ChatRequest(_Sampling):
@@ -274,16 +279,18 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
 class OpenAIServer:
     def __init__(self, link, tokenizer: Any, served_model_names: tuple[str, ...], max_model_len: int,
                  vocab_size: int, max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None,
-                 metrics: FrontendMetrics | None = None, tool_call_parser: str | None = None) -> None:
+                 metrics: FrontendMetrics | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         """served_model_names: what requests may name the model (responses name it by the first);
         api_key_ok: checks an `authorization` header's value; None: the API is open; metrics: served on
         /metrics (without, that route is a 404); tool_call_parser: reads the calls of tool_choice "auto" (none:
-        "auto" is refused)."""
+        "auto" is refused); reasoning_parser: splits a reasoning model's thinking from its answer
+        (frontend/reasoning.py)."""
         self.link, self.tokenizer, self.metrics = link, tokenizer, metrics
         self.model_names, self.model_name = served_model_names, served_model_names[0]
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_prompt_chars, self.api_key_ok = max_prompt_chars, api_key_ok
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.created = int(time.time())
         self.app = self._build_app()
 
@@ -518,9 +525,11 @@ class OpenAIServer:
             raise
         response_id = f"chatcmpl-{inp.request_id}"
         call = self._call(prompt_ids, params, inp)
+        reasoning = self._reasoning_parser(inp)
         if body.stream:
             chunk = functools.partial(self._chat_chunk,
-                                      tool_calls=None if tool_calls is None else tool_calls.stream())
+                                      tool_calls=None if tool_calls is None else tool_calls.stream(),
+                                      reasoning=None if reasoning is None else ReasoningStream(reasoning))
             return self._sse(request, [call], response_id, inp.request_id, [chunk], "chat.completion.chunk",
                              body.stream_options)
         [deltas] = await self._collect(request, [call])
@@ -528,9 +537,14 @@ class OpenAIServer:
         for index in range(params.n):
             mine = [d for d in deltas if d.index == index]
             text, finish_reason = "".join(d.text for d in mine), mine[-1].finish_reason
+            thought = None
+            if reasoning is not None:
+                thought, text = split_reasoning(reasoning, text)
             message = {"role": "assistant", "content": text}
             if tool_calls is not None:
                 message, finish_reason = tool_calls.message(text, finish_reason)
+            if reasoning is not None:
+                message["reasoning"] = thought
             choices.append({
                 "index": index, "message": message,
                 "logprobs": ({"content": self._chat_logprobs([t for d in mine for t in d.logprobs or []])}
@@ -539,6 +553,12 @@ class OpenAIServer:
             })
         return self._json({"id": response_id, "object": "chat.completion", "created": int(time.time()),
                            "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
+
+    def _reasoning_parser(self, inp: GenerateInput) -> str | None:
+        """The parser that splits the thinking from the answer, where the output is free: structured output
+        constrains it from its first token, which leaves no room to think."""
+        free = inp.json_schema is None and not inp.json_object and inp.regex is None and inp.choice is None
+        return self.reasoning_parser if free else None
 
     def _plan_tools(self, inp: GenerateInput, tools: list[dict] | None, tool_choice: str | dict | None,
                     parallel_tool_calls: bool):
@@ -593,23 +613,31 @@ class OpenAIServer:
                     "top_p": body.top_p, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
                     "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}},
                     "store": False, "metadata": body.metadata or {}, "previous_response_id": None}
+        reasoning = self._reasoning_parser(inp)
         call = self._call(prompt_ids, params, inp)
         if body.stream:
-            return StreamingResponse(self._response_events(request, call, response, plan),
+            return StreamingResponse(self._response_events(request, call, response, plan, reasoning),
                                      media_type="text/event-stream", headers={"X-Request-Id": inp.request_id})
         [deltas] = await self._collect(request, [call])
         text, finish_reason = "".join(d.text for d in deltas), deltas[-1].finish_reason
+        thought = None
+        if reasoning is not None:
+            thought, text = split_reasoning(reasoning, text)
         message = {"role": "assistant", "content": text}
         if plan is not None:
             message, finish_reason = plan.message(text, finish_reason)
+        message["reasoning"] = thought
         counts = _usage(deltas)
         return self._json(finished(response, output_items(message), finish_reason,
                                    responses_usage(counts["prompt_tokens"], counts["completion_tokens"])),
                           inp.request_id)
 
-    async def _response_events(self, request: Request, call: GenerateCall, response: dict, plan):
+    async def _response_events(self, request: Request, call: GenerateCall, response: dict, plan,
+                               reasoning: str | None):
+        """The answer as the Responses API's events, from the chat chunks it would stream."""
         events = ResponseEvents(response)
-        stream = plan.stream() if plan is not None else None
+        chunk = functools.partial(self._chat_chunk, tool_calls=None if plan is None else plan.stream(),
+                                  reasoning=None if reasoning is None else ReasoningStream(reasoning))
         prompt_tokens = completion_tokens = 0
         finish_reason = None
 
@@ -620,14 +648,11 @@ class OpenAIServer:
         first = True
         try:
             async for _, delta in self._merged_deltas(request, [call]):
-                if stream is not None:
-                    chat_delta, finish_reason = stream.delta(delta.index, delta.text, first, delta.finish_reason)
-                else:
-                    chat_delta, finish_reason = {"content": delta.text}, delta.finish_reason
-                first = False
+                choice = chunk(delta, first)
+                first, finish_reason = False, choice["finish_reason"]
                 if delta.usage is not None:
                     prompt_tokens, completion_tokens = delta.usage.prompt_tokens, delta.usage.completion_tokens
-                yield encode(events.delta(chat_delta))
+                yield encode(events.delta(choice["delta"]))
         except APIError as error:
             yield encode(events.failed(error.code or "server_error", str(error)))
             return
@@ -761,13 +786,22 @@ class OpenAIServer:
             raise APIError(500, "the prompt's logprobs did not come back from the back end")
         return [SampledToken(prompt_ids[0])] + (prompt_logprobs or [])
 
-    def _chat_chunk(self, delta: ChoiceDelta, first: bool, tool_calls=None) -> dict:
-        """tool_calls: the stream of the request's tool-call plan (frontend/tools.py), which shapes the deltas."""
+    def _chat_chunk(self, delta: ChoiceDelta, first: bool, tool_calls=None,
+                    reasoning: ReasoningStream | None = None) -> dict:
+        """tool_calls: the stream of the request's tool-call plan (frontend/tools.py), which shapes the deltas;
+        reasoning: splits the thinking off first (the answer after it goes on to tool_calls)."""
+        text, thought = delta.text, ""
+        if reasoning is not None:
+            thought, text = reasoning.feed(delta.index, text, delta.finish_reason is not None)
         if tool_calls is not None:
-            message, finish_reason = tool_calls.delta(delta.index, delta.text, first, delta.finish_reason)
+            message, finish_reason = tool_calls.delta(delta.index, text, first, delta.finish_reason)
         else:
-            message = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            message = {"role": "assistant"} if first else {}
+            if text or not thought:
+                message["content"] = text
             finish_reason = delta.finish_reason
+        if thought:
+            message["reasoning"] = thought
         return {"index": delta.index, "delta": message,
                 "logprobs": {"content": self._chat_logprobs(delta.logprobs)} if delta.logprobs else None,
                 "finish_reason": finish_reason}
@@ -809,6 +843,8 @@ def _messages(messages: list[Message]) -> list[dict]:
         for name in ("name", "tool_calls", "tool_call_id"):
             if getattr(message, name) is not None:
                 out[-1][name] = getattr(message, name)
+        if message.reasoning is not None:  # (templates read it as reasoning_content)
+            out[-1]["reasoning_content"] = message.reasoning
     return out
 
 

@@ -100,8 +100,11 @@ def new_id(prefix: str) -> str:
 
 
 def output_items(message: dict) -> list[dict]:
-    """A chat message ({"content", "tool_calls"}) as the response's output items: its text, then its calls."""
+    """A chat message ({"reasoning", "content", "tool_calls"}) as the response's output items: its thinking, its
+    text, then its calls."""
     items = []
+    if message.get("reasoning"):
+        items.append(_reasoning_item(new_id("rs"), message["reasoning"], "completed"))
     if message.get("content"):
         items.append(_message_item(new_id("msg"), message["content"], "completed"))
     items.extend(_call_item(call, "completed") for call in message.get("tool_calls") or [])
@@ -111,6 +114,11 @@ def output_items(message: dict) -> list[dict]:
 def _message_item(item_id: str, text: str, status: str) -> dict:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
 
 
 def _call_item(call: dict, status: str) -> dict:
@@ -141,6 +149,8 @@ class ResponseEvents:
         self.output: list[dict] = []
         self.text_item: dict | None = None
         self.text = ""
+        self.reasoning_item: dict | None = None
+        self.reasoning = ""
         self.calls: dict[int, dict] = {}  # the chat stream's call index -> its output item
 
     def _event(self, kind: str, **fields) -> dict:
@@ -153,6 +163,14 @@ class ResponseEvents:
 
     def delta(self, chat_delta: dict) -> list[dict]:
         events = []
+        if chat_delta.get("reasoning"):
+            if self.reasoning_item is None:
+                self.reasoning_item = _reasoning_item(new_id("rs"), "", "in_progress")
+                events += self._added(self.reasoning_item)
+            self.reasoning += chat_delta["reasoning"]
+            events.append(self._event("response.reasoning_text.delta", item_id=self.reasoning_item["id"],
+                                      output_index=self._index(self.reasoning_item), content_index=0,
+                                      delta=chat_delta["reasoning"]))
         if chat_delta.get("content"):
             if self.text_item is None:
                 self.text_item = _message_item(new_id("msg"), "", "in_progress")
@@ -179,6 +197,12 @@ class ResponseEvents:
 
     def finish(self, finish_reason: str | None, usage_: dict) -> list[dict]:
         events = []
+        if self.reasoning_item is not None:
+            index = self._index(self.reasoning_item)
+            events.append(self._event("response.reasoning_text.done", item_id=self.reasoning_item["id"],
+                                      output_index=index, content_index=0, text=self.reasoning))
+            self.output[index] = _reasoning_item(self.reasoning_item["id"], self.reasoning, "completed")
+            events.append(self._event("response.output_item.done", output_index=index, item=self.output[index]))
         if self.text_item is not None:
             index, part = self._index(self.text_item), {"type": "output_text", "text": self.text, "annotations": []}
             events.append(self._event("response.output_text.done", item_id=self.text_item["id"], output_index=index,

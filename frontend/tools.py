@@ -160,14 +160,14 @@ class HermesToolCallStream:
             self.in_call.add(index)
             send, self.held[index] = held[:start], held[start:]
         else:
-            keep = _partial_suffix(held, self.plan.START)
+            keep = partial_suffix(held, self.plan.START)
             send, self.held[index] = held[: len(held) - keep], held[len(held) - keep:]
         if send:
             delta["content"] = send
         return delta, None
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of text that begins marker (and may go on to be it)."""
     for length in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-length:]):

@@ -371,6 +371,11 @@ class ServingConfig(_Config):
                                                 "`hermes` (<tool_call>{\"name\": ..., \"arguments\": ...}"
                                                 "</tool_call>: Qwen2.5, Qwen3, Hermes and others)",
                                           choices=("hermes",))
+    reasoning_parser: str | None = option(None, "splits a reasoning model's thinking (<think>...</think>) from its "
+                                                "answer on the HTTP API, into the message's `reasoning`: `qwen3` "
+                                                "(thinking where the answer opens with <think>) or `deepseek_r1` "
+                                                "(the prompt opens it: the answer thinks until </think>)",
+                                          choices=("qwen3", "deepseek_r1"))
     max_prompt_chars: int | None = option(
         None, "longest prompt in characters (chat messages counted together), refused before tokenizing "
               f"(default: {PROMPT_CHARS_PER_TOKEN} per token of the context length)", min=1)

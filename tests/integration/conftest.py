@@ -18,7 +18,8 @@ def api_stack():
 
     config = PagedServeConfig.from_kwargs(model="default", device="cpu", dtype="float32", port=0,
                                           kv_cache_memory=256 << 20, log_level="WARNING",
-                                          enable_auto_tool_choice=True, tool_call_parser="hermes")
+                                          enable_auto_tool_choice=True, tool_call_parser="hermes",
+                                          reasoning_parser="qwen3")
     with Stack(config) as running:
         yield running
 

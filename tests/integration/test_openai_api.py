@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from frontend.reasoning import split_reasoning
 from pagedserve.client import build_request
 from pagedserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import MODEL
@@ -236,6 +237,32 @@ def test_the_responses_api_answers_as_chat_does_whole_and_streamed(openai_client
         *QUESTION, {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}])
     assert answered.output_text and answered.output[0].type == "message"
+
+
+def test_reasoning_splits_from_the_answer(openai_client, grpc_client):
+    """The stack serves with --reasoning-parser qwen3. Shown two answers that think in <think> first, the model
+    thinks too: the HTTP API splits its answer, whole and streamed, as the parser splits the gRPC API's raw text;
+    the Responses API gives the thinking as a reasoning item."""
+    shots = []
+    for question, thought, answer in [("Hi!", "The user greets me.", "Hello!"),
+                                      ("What is 2+2?", "Two and two make four.", "4.")]:
+        shots += [{"role": "user", "content": question},
+                  {"role": "assistant", "content": f"<think>{thought}</think>{answer}"}]
+    messages = [{"role": "system", "content": "Think inside <think></think> before you answer."}, *shots, *CHAT]
+    raw = grpc_client.generate(build_request(messages=messages, temperature=0.0, max_tokens=40)).text
+    assert raw.startswith("<think>") and "</think>" in raw, raw
+    reasoning, content = split_reasoning("qwen3", raw)
+    whole = openai_client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
+    assert (whole.choices[0].message.reasoning, whole.choices[0].message.content) == (reasoning, content)
+    assert reasoning and "<think>" not in content
+    deltas = [c.choices[0].delta for c in openai_client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=40, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == content
+
+    answered = openai_client.responses.create(model=MODEL, input=messages, temperature=0, max_output_tokens=40)
+    assert [item.type for item in answered.output] == ["reasoning", "message"][: len(answered.output)]
+    assert answered.output[0].content[0].text == reasoning and answered.output_text == content
 
 
 def test_echo_with_logprobs_streams_the_prompts_logprobs_first_for_every_choice(openai_client, tokenizer):
