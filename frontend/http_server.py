@@ -536,15 +536,8 @@ class OpenAIServer:
         choices = []
         for index in range(params.n):
             mine = [d for d in deltas if d.index == index]
-            text, finish_reason = "".join(d.text for d in mine), mine[-1].finish_reason
-            thought = None
-            if reasoning is not None:
-                thought, text = split_reasoning(reasoning, text)
-            message = {"role": "assistant", "content": text}
-            if tool_calls is not None:
-                message, finish_reason = tool_calls.message(text, finish_reason)
-            if reasoning is not None:
-                message["reasoning"] = thought
+            message, finish_reason = _answer("".join(d.text for d in mine), mine[-1].finish_reason, tool_calls,
+                                             reasoning)
             choices.append({
                 "index": index, "message": message,
                 "logprobs": ({"content": self._chat_logprobs([t for d in mine for t in d.logprobs or []])}
@@ -619,14 +612,7 @@ class OpenAIServer:
             return StreamingResponse(self._response_events(request, call, response, plan, reasoning),
                                      media_type="text/event-stream", headers={"X-Request-Id": inp.request_id})
         [deltas] = await self._collect(request, [call])
-        text, finish_reason = "".join(d.text for d in deltas), deltas[-1].finish_reason
-        thought = None
-        if reasoning is not None:
-            thought, text = split_reasoning(reasoning, text)
-        message = {"role": "assistant", "content": text}
-        if plan is not None:
-            message, finish_reason = plan.message(text, finish_reason)
-        message["reasoning"] = thought
+        message, finish_reason = _answer("".join(d.text for d in deltas), deltas[-1].finish_reason, plan, reasoning)
         counts = _usage(deltas)
         return self._json(finished(response, output_items(message), finish_reason,
                                    responses_usage(counts["prompt_tokens"], counts["completion_tokens"])),
@@ -846,6 +832,20 @@ def _messages(messages: list[Message]) -> list[dict]:
         if message.reasoning is not None:  # (templates read it as reasoning_content)
             out[-1]["reasoning_content"] = message.reasoning
     return out
+
+
+def _answer(text: str, finish_reason: str | None, tool_calls, reasoning: str | None) -> tuple[dict, str | None]:
+    """A whole answer as the assistant's message, and its finish reason: the thinking split off by the reasoning
+    parser (as `reasoning`), the rest read for the tool-call plan's calls (frontend/tools.py)."""
+    thought = None
+    if reasoning is not None:
+        thought, text = split_reasoning(reasoning, text)
+    message = {"role": "assistant", "content": text}
+    if tool_calls is not None:
+        message, finish_reason = tool_calls.message(text, finish_reason)
+    if reasoning is not None:
+        message["reasoning"] = thought
+    return message, finish_reason
 
 
 def _chat_options(body: ChatRequest | TokenizeRequest) -> dict:

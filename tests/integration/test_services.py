@@ -13,6 +13,7 @@ import torch
 from pagedserve import LLM, SamplingParams
 from pagedserve.client import GenerateClient, build_request
 from pagedserve.config import PagedServeConfig
+from pagedserve.convert import FINISH_REASON_NAMES
 from pagedserve.entrypoints.launcher import Stack
 from pagedserve.output import Usage
 from pagedserve.v1 import kvcache_pb2, kvcache_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -39,10 +40,13 @@ def client(stack):
         yield c
 
 
-def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy_choices(hf_model, prompt_ids: list[int], token_ids: list[int]) -> list[int]:
+    """transformers' greedy choice at each of the output's positions, given the tokens before it: equal to the
+    output exactly where the output is transformers' greedy decoding (one forward pass, teacher-forced, rather
+    than generate's one per token)."""
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, len(prompt_ids):].tolist()
+        logits = hf_model(torch.tensor([prompt_ids + token_ids[:-1]])).logits[0, len(prompt_ids) - 1:]
+    return logits.argmax(-1).tolist()
 
 
 def kv_stats(stack) -> kvcache_pb2.KVCacheStats:
@@ -73,7 +77,9 @@ def test_streamed_greedy_output_equals_transformers(client, hf_model):
         assert chunks[-1].finish_reason in (1, 2)  # stop or length
         assert all(c.finish_reason == 0 for c in chunks[:-1])
         prompt_ids = hf_model_prompt_ids(prompt)
-        assert token_ids == hf_greedy(hf_model, prompt_ids, 40)
+        assert token_ids == hf_greedy_choices(hf_model, prompt_ids, token_ids)
+        eos = hf_model.generation_config.eos_token_id
+        assert len(token_ids) == 40 or token_ids[-1] in (eos if isinstance(eos, list) else [eos])
         assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
         assert chunks[-1].usage.completion_tokens == len(token_ids)
 
@@ -121,7 +127,7 @@ def test_32_concurrent_streams_all_complete_and_match_transformers(stack, client
     assert not errors, errors
     assert len(results) == 32
     for i, prompt_ids in enumerate(requests):
-        assert results[i] == hf_greedy(hf_model, prompt_ids, 12), f"request {i}"
+        assert len(results[i]) == 12 and results[i] == hf_greedy_choices(hf_model, prompt_ids, results[i]), i
 
 
 def test_cancelled_stream_frees_its_blocks(stack, client):
@@ -288,12 +294,12 @@ def test_one_step_at_a_time_and_a_stream_interval_stream_what_steps_planned_ahea
                  build_request(prompt_token_ids=[100, 200, 300], temperature=0.0, max_tokens=9, ignore_eos=True)]
 
     def run_all(generate_client) -> tuple[list, list]:
-        def streamed(request):
-            return [list(message.token_ids) for message in generate_client.stream(request)]
+        """Each request's (tokens, text, finish reason), and the tokens of each of its messages."""
         with ThreadPoolExecutor(len(requests)) as pool:
-            messages = list(pool.map(streamed, requests))
-        with ThreadPoolExecutor(len(requests)) as pool:
-            return [(c.token_ids, c.text, c.finish_reason) for c in pool.map(generate_client.generate, requests)], messages
+            streams = list(pool.map(lambda request: list(generate_client.stream(request)), requests))
+        outcomes = [([t for m in stream for t in m.token_ids], "".join(m.text for m in stream),
+                     FINISH_REASON_NAMES[stream[-1].finish_reason]) for stream in streams]
+        return outcomes, [[list(m.token_ids) for m in stream] for stream in streams]
 
     ahead, per_step = run_all(client)
     assert {finish for _, _, finish in ahead} == {"stop", "length"}
