@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import numpy as np
 import torch
 
 from executor_svc.attention.layout import BatchLayout
+
+logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "fused_cpu.cpp", CSRC / "linear_cpu.cpp")
@@ -31,14 +34,18 @@ ISAS = ("avx512_bf16", "avx512", "avx2", "baseline")
 @functools.cache
 def load_extension():
     """The kernels' op namespace (torch.ops.pagedserve_cpu), compiling them on first use."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     # The build is named by the sources' contents (the header's too, which ninja does not track here) and their
     # directory: another checkout, or other sources, build beside it rather than over it, one rebuilding the
     # other's build at every start.
     digest = hashlib.sha256(str(CSRC).encode() + b"".join(p.read_bytes() for p in SOURCES + DEPENDS)).hexdigest()[:12]
-    load(name=f"pagedserve_cpu_attention_{digest}", sources=[str(p) for p in SOURCES],
-         extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False)
+    name = f"pagedserve_cpu_attention_{digest}"
+    if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file():
+        # Said before the wait, so that a first start is not taken for a hung one.
+        logger.info("compiling the CPU kernels (executor_svc/csrc) with g++: once for these sources, about a minute")
+    load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"],
+         extra_ldflags=["-fopenmp"], is_python_module=False)
     return torch.ops.pagedserve_cpu
 
 
