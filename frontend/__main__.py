@@ -1,6 +1,7 @@
 """python -m frontend --port 50051 --scheduler 127.0.0.1:50052 [--http-address 127.0.0.1:8000]"""
 from __future__ import annotations
 
+from pagedserve.chat import load_chat_template
 from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, model_name, parse
 from pagedserve.service import AioService, Security, channel, configure_logging, pin_to_cpus, set_nice
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -10,7 +11,7 @@ SECTIONS = {
                     "max_message_bytes", "http_address", "served_model_name", "drain_timeout_s", "max_prompt_chars",
                     "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
                     "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file", "internal_token_file"),
-    ModelConfig: ("tokenizer",),
+    ModelConfig: ("tokenizer", "chat_template"),
 }
 
 
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
     info = scheduler.GetInfo(scheduler_pb2.SchedulerInfoRequest(), wait_for_ready=True, timeout=serving.startup_timeout)
     tokenizer = AutoTokenizer.from_pretrained(configs[ModelConfig].tokenizer or info.model_dir)
+    if configs[ModelConfig].chat_template:
+        tokenizer.chat_template = load_chat_template(configs[ModelConfig].chat_template)
     prepare_detokenizer(tokenizer)
     link = SchedulerLink(scheduler)
     service = AioService("frontend", serving.host, serving.listen_port("frontend"), security=security, public=True,

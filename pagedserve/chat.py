@@ -3,6 +3,7 @@ offline LLM, with vLLM's options (add_generation_prompt, continue_final_message,
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 
@@ -16,6 +17,16 @@ class ChatOptionError(ValueError):
 
 class ChatTemplateRejected(ValueError):
     """The template itself refused the conversation (templates raise what they like)."""
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file or as the template itself (vLLM's --chat-template takes both)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
 
 
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,

@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.chat import load_chat_template
+
 # The KV cache a CPU executor takes without kv_cache_memory at most (vLLM's CPU build default).
 CPU_KV_CACHE_CAP = 4 << 30
 # The default prompt limit in characters per token of the context: generous for any tokenizer's longest
@@ -119,6 +121,9 @@ class ModelConfig(_Config):
 
     model: str = option("default", f"`default` ({DEFAULT_MODEL_NAME}), a Hugging Face directory or a `.gguf` file")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model's)")
+    chat_template: str | None = option(None, "the chat template of the chat APIs and `LLM.chat`: a Jinja template, or "
+                                             "a file holding one (default: the tokenizer's; a model whose tokenizer "
+                                             "has none needs one for chat)")
     device: str = option("auto", "`auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`")
     dtype: str = option("auto", "weights and KV cache; `auto`: bfloat16 on CUDA, and on a CPU with native "
                                 "bfloat16 matrix instructions (AMX or AVX512-BF16) that runs a bfloat16 linear "
@@ -139,6 +144,11 @@ class ModelConfig(_Config):
     cuda_graph_batch_sizes: tuple[int, ...] | None = option(
         None, "decode batch sizes to capture a CUDA graph for (default: 1, 2, 4, ... 256 up to max_num_seqs)",
         min=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chat_template is not None:
+            load_chat_template(self.chat_template)  # a file that is not there, or no template: refused at once
 
     def resolved_device(self) -> str:
         """The device, `auto` made concrete for this machine."""

@@ -22,7 +22,7 @@ import torch
 from executor_svc.build import build_model_runner
 from executor_svc.server import executor_info
 from kvcache_svc.build import build_block_manager
-from pagedserve.chat import render_chat
+from pagedserve.chat import load_chat_template, render_chat
 from pagedserve.config import CacheConfig, ModelConfig, PagedServeConfig, SchedulerConfig
 from pagedserve.output import RequestOutputState, Usage
 from pagedserve.sampling_params import SamplingParams
@@ -88,6 +88,8 @@ class LLM:
         tokenizer_dir = Path(model_config.tokenizer or self.runner.model_dir)
         has_tokenizer = any((tokenizer_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if has_tokenizer else None
+        if self.tokenizer is not None and model_config.chat_template:
+            self.tokenizer.chat_template = load_chat_template(model_config.chat_template)
         self.eos_token_ids = self.runner.eos_token_ids
         self._request_ids = itertools.count()
 

@@ -75,6 +75,18 @@ def test_chat_shows_the_tools_to_a_template_that_renders_them(smollm2, monkeypat
     assert smollm2.tokenizer.decode(result.prompt_token_ids) == "[get_weather]Weather?"
 
 
+def test_a_chat_template_given_as_a_file_replaces_the_tokenizers(tiny_model_with_tokenizer, tmp_path):
+    """--chat-template (ModelConfig.chat_template), for a model whose tokenizer has no template or the wrong one:
+    a file or the template itself."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    for given in (str(template), template.read_text()):
+        llm = LLM(str(tiny_model_with_tokenizer), device="cpu", dtype="float32", kv_cache_memory=1 << 20,
+                  chat_template=given)
+        [result] = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=1))
+        assert llm.tokenizer.decode(result.prompt_token_ids) == "<user>Hi<assistant>"
+
+
 def test_results_come_back_in_input_order_for_text_and_token_prompts(smollm2):
     token_prompt = smollm2.tokenizer.encode("The capital of France is")
     params = SamplingParams(temperature=0, max_tokens=5)

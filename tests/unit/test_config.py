@@ -27,7 +27,7 @@ A_FILE = __file__
 CHANGED = PagedServeConfig(
     ModelConfig(model="m", tokenizer="t", device="cpu", dtype="bfloat16", max_model_len=77, seed=3,
                 attention_backend="torch", cpu_threads=3, enforce_eager=True, cuda_graph_batch_sizes=(1, 3),
-                benchmark_sleep_ms=2.5),
+                benchmark_sleep_ms=2.5, chat_template="{{ messages[0].content }}"),
     CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
                 offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True,
                 redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77, routing="round_robin"),
@@ -81,6 +81,8 @@ def test_cross_field_rules():
         ServingConfig(tls_ca=A_FILE)
     with pytest.raises(ValueError, match="^api_key_file must name a readable file"):
         ServingConfig(api_key_file="/nonexistent/keys")
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        ModelConfig(chat_template="/nonexistent/template.jinja")
     with pytest.raises(ValueError, match="^enable_auto_tool_choice needs tool_call_parser"):
         ServingConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="^tool_call_parser must be one of"):
