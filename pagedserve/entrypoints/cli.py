@@ -1,5 +1,5 @@
 """The ``pagedserve`` command: ``up`` starts the four services (or a compose file's), ``generate`` streams
-from them."""
+from them, ``chat`` holds a conversation with them."""
 from __future__ import annotations
 
 import argparse
@@ -105,24 +105,32 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace):
+    from pagedserve.client import GenerateClient
+    from pagedserve.service import API_KEY_ENV
+
+    api_key = open(args.api_key_file).read().strip() if args.api_key_file else os.environ.get(API_KEY_ENV)
+    return GenerateClient(args.address, api_key=api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                seed=args.seed, stop=args.stop or None)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from pagedserve.client import GenerateClient, build_request
+    from pagedserve.client import build_request
     from pagedserve.convert import FINISH_REASON_NAMES
-    from pagedserve.service import API_KEY_ENV
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     request = build_request(
         messages=[{"role": "user", "content": prompt}] if args.chat else None,
-        prompt=None if args.chat else prompt,
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos or None,
-    )
+        prompt=None if args.chat else prompt, ignore_eos=args.ignore_eos or None, **_sampling(args))
     token_ids, finish = [], None
-    api_key = open(args.api_key_file).read().strip() if args.api_key_file else os.environ.get(API_KEY_ENV)
-    with GenerateClient(args.address, api_key=api_key, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                        tls_key=args.tls_key) as client:
+    with _client(args) as client:
         try:
             for response in client.stream(request):
                 token_ids.extend(response.token_ids)
@@ -138,6 +146,52 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print()
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """A conversation: each line read is the user's turn, the answer streams back and joins the conversation."""
+    import grpc
+
+    from pagedserve.client import build_request
+
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    with _client(args) as client:
+        while True:
+            if interactive:
+                print("> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                return 0
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            answer = ""
+            try:
+                for response in client.stream(build_request(messages=messages, **_sampling(args))):
+                    print(response.text, end="", flush=True)
+                    answer += response.text
+            except grpc.RpcError as error:
+                print(f"\npagedserve: {error.code().name}: {error.details()}", file=sys.stderr)
+                return 1
+            print()
+            messages.append({"role": "assistant", "content": answer})
+
+
+def _add_client_arguments(command: argparse.ArgumentParser) -> None:
+    """Where the server is, how to reach it, and the sampling of its answers."""
+    command.add_argument("--address", default=DEFAULT_ADDRESS)
+    command.add_argument("--max-tokens", type=int, default=128,
+                         help="default 128: more than the API's 16 (vLLM's), so that an answer is not cut short")
+    command.add_argument("--temperature", type=float)
+    command.add_argument("--top-p", type=float)
+    command.add_argument("--top-k", type=int)
+    command.add_argument("--seed", type=int)
+    command.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    command.add_argument("--api-key-file", help="file holding the API key (default: $PAGEDSERVE_API_KEY)")
+    command.add_argument("--tls-ca", help="CA file: connect with TLS and verify the server with it")
+    command.add_argument("--tls-cert", help="client certificate file, for mutual TLS")
+    command.add_argument("--tls-key", help="key file of --tls-cert")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,22 +210,16 @@ def main(argv: list[str] | None = None) -> int:
 
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt", help="the prompt, or - to read it from standard input")
-    generate.add_argument("--address", default=DEFAULT_ADDRESS)
     generate.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    generate.add_argument("--max-tokens", type=int, default=128,
-                          help="default 128: more than the API's 16 (vLLM's), so that an answer is not cut short")
-    generate.add_argument("--temperature", type=float)
-    generate.add_argument("--top-p", type=float)
-    generate.add_argument("--top-k", type=int)
-    generate.add_argument("--seed", type=int)
-    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true")
     generate.add_argument("--json", action="store_true", help="print token ids and the finish reason as JSON")
-    generate.add_argument("--api-key-file", help="file holding the API key (default: $PAGEDSERVE_API_KEY)")
-    generate.add_argument("--tls-ca", help="CA file: connect with TLS and verify the server with it")
-    generate.add_argument("--tls-cert", help="client certificate file, for mutual TLS")
-    generate.add_argument("--tls-key", help="key file of --tls-cert")
+    _add_client_arguments(generate)
     generate.set_defaults(handler=_generate)
+
+    chat = commands.add_parser("chat", help="a conversation with a running server: each line is a turn")
+    chat.add_argument("--system", help="a system message to open the conversation")
+    _add_client_arguments(chat)
+    chat.set_defaults(handler=_chat)
 
     args = parser.parse_args(argv)
     return args.handler(args)

@@ -79,6 +79,26 @@ def test_the_generate_command_prints_the_apis_answer(api_stack, grpc_client, cap
     assert json.loads(capsys.readouterr().out)["token_ids"] == list(expected.token_ids)
 
 
+def test_the_chat_command_carries_the_conversation(api_stack, grpc_client, capsys, monkeypatch):
+    """`pagedserve chat`: each line of standard input is a turn; each answer is the API's for the conversation
+    so far."""
+    from pagedserve.entrypoints import cli
+
+    turns = ["What is the capital of France?", "And of Italy?"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(turns) + "\n\n"))
+    assert cli.main(["chat", "--address", api_stack.address, "--system", "Be brief.", "--temperature", "0",
+                     "--max-tokens", "16"]) == 0
+    printed = capsys.readouterr().out
+    conversation = [{"role": "system", "content": "Be brief."}]
+    expected = ""
+    for turn in turns:
+        conversation.append({"role": "user", "content": turn})
+        answer = grpc_client.generate(build_request(messages=conversation, temperature=0.0, max_tokens=16)).text
+        conversation.append({"role": "assistant", "content": answer})
+        expected += answer + "\n"
+    assert printed == expected and "Paris" in printed
+
+
 def test_streaming_sync_and_async_give_the_same_text_and_a_final_usage_chunk(api_stack, openai_client):
     whole = openai_client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=20)
     chunks = list(openai_client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=20,
