@@ -16,9 +16,12 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     "qwen3": None,
     "smollm3": None,  # Llama with the rotary embedding left out of some layers (no_rope_layers)
     "granite": None,  # Llama with multipliers: embeddings, residual branches, attention scale, logits
+    # Gemma 3's text model: norms around each sublayer too, weights used as 1 + w, GELU, a rotary table per
+    # layer type (sliding or full attention).
+    "gemma3_text": None,
 }
 # Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
-QK_NORM_ARCHITECTURES = frozenset({"qwen3"})
+QK_NORM_ARCHITECTURES = frozenset({"qwen3", "gemma3_text"})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +60,12 @@ class ModelArchitecture:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0  # on each attention and MLP output before it joins the residual stream
     logits_scaling: float = 1.0  # the logits are divided by it
+    hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh (GELU, tanh approximation)
+    # Gemma's: each sublayer's output normalised before it joins the residual stream, and every RMSNorm weight
+    # stored as w for a factor of 1 + w.
+    sandwich_norms: bool = False
+    # The rotary table of each layer: a key of rope_parameters where the config gives one per layer type, else None.
+    layer_rope: tuple[str | None, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -66,6 +75,7 @@ class ModelArchitecture:
                 f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         biases = SUPPORTED_ARCHITECTURES[model_type]
+        gemma = model_type == "gemma3_text"
         if biases is None:
             attention_bias = bool(getattr(hf_config, "attention_bias", False))
             biases = (attention_bias, attention_bias)
@@ -84,6 +94,10 @@ class ModelArchitecture:
             max_model_len = context_len
         elif not 0 < max_model_len <= context_len:
             raise ValueError(f"max_model_len must be in [1, {context_len}], got {max_model_len}")
+        # The scores' factor: Granite's multiplier, Gemma's query_pre_attn_scalar ** -0.5, else head_dim ** -0.5.
+        attention_scale = getattr(hf_config, "attention_multiplier", None)
+        if attention_scale is None:
+            attention_scale = (getattr(hf_config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
         eos = hf_config.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
@@ -104,20 +118,27 @@ class ModelArchitecture:
             max_model_len=max_model_len,
             eos_token_ids=eos_ids,
             hf_config=hf_config,
-            attention_scale=float(getattr(hf_config, "attention_multiplier", None) or head_dim**-0.5),
+            attention_scale=float(attention_scale),
             # SmolLM3's no_rope_layers holds 1 for each layer that does use the rotary embedding.
             no_rope_layers=frozenset(i for i, rope in enumerate(getattr(hf_config, "no_rope_layers", None) or [])
                                      if not rope),
-            embedding_multiplier=float(getattr(hf_config, "embedding_multiplier", 1.0)),
+            embedding_multiplier=hf_config.hidden_size**0.5 if gemma else float(getattr(hf_config,
+                                                                                       "embedding_multiplier", 1.0)),
             residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
             logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
+            hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu"),
+            sandwich_norms=gemma,
+            layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if gemma else (),
         )
 
-    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies and the cos/sin scale, computed the way transformers computes them."""
+    def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies and the cos/sin scale, computed the way transformers computes them; layer_type:
+        which of a config's per-layer-type tables (layer_rope)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         rope = getattr(self.hf_config, "rope_parameters", None) or {}
+        if layer_type is not None:
+            rope = rope[layer_type]
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
             theta = rope.get("rope_theta", 10000.0)
@@ -128,7 +149,8 @@ class ModelArchitecture:
             raise ValueError("rope_type 'dynamic' is not supported; use 'linear', 'yarn' or 'llama3'")
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope_type {rope_type!r}")
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu")
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu", **kwargs)
         return inv_freq.float(), float(scale)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:

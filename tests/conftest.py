@@ -8,7 +8,8 @@ import torch
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+                              SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -34,6 +35,10 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
         return GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=3.0, residual_multiplier=0.4,
                              attention_multiplier=0.11, logits_scaling=2.5,
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if kind == "gemma3":  # a sliding and a full-attention layer, each with its rotary table; head_dim its own
+        return Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                                layer_types=["sliding_attention", "full_attention"],
+                                sliding_window=max_position_embeddings, pad_token_id=None)
     if kind == "mistral":
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     raise ValueError(kind)
@@ -49,7 +54,7 @@ def write_tiny_model(kind: str, path, seed: int = 0, **config_overrides):
         for name, param in model.named_parameters():
             if name.endswith("bias"):  # zero at init: randomise so a dropped bias shows
                 param.normal_(0, 0.5)
-            if name.endswith(("q_norm.weight", "k_norm.weight")):  # ones at init: so that a swapped one shows
+            if name.endswith("norm.weight"):  # ones (Gemma's: zeros) at init: so that a swapped one shows
                 param.normal_(1, 0.5)
     model.save_pretrained(path)
     return model

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite) over a flat batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 3) over a flat batch of
+tokens.
 
 Every token of a step, from every request, prefill chunks and decodes alike, is one row of a
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told
@@ -25,6 +26,8 @@ from executor_svc.model_config import ModelArchitecture
 
 # The dtypes the CPU extension's RMSNorm and rotary read and write.
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
+# The name of the rotary table of a model with one.
+ALL_LAYERS = "all"
 # Products of more rows than this keep MKL's own threading, as fast there (executor_svc/csrc/linear_cpu.cpp).
 SPLIT_LINEAR_MAX_ROWS = 512
 
@@ -113,9 +116,9 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelArchitecture) -> None:
+    def __init__(self, config: ModelArchitecture, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scale = config.rope_inv_freq()
+        inv_freq, scale = config.rope_inv_freq(layer_type)
         positions = torch.arange(config.max_model_len, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -169,11 +172,17 @@ class MLP(nn.Module):
         super().__init__()
         self.fused_ops = fused_ops
         self.intermediate_size = config.intermediate_size
+        if config.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"activation {config.hidden_act!r} is not supported; silu or gelu_pytorch_tanh")
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, fused_ops)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         if self.fused_ops is not None and gate_up.dtype in FUSED_DTYPES:
             # Where the down projection reads strided rows in place, the result goes over the gate half (each
             # element read before it is written): no new [T, I] tensor to fault in, and its lines are the ones
@@ -196,6 +205,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.mlp = MLP(config, fused_ops)
         self.residual_multiplier = config.residual_multiplier
+        # Gemma's sandwich: post_attention_layernorm normalises the attention's output, pre_feedforward_layernorm
+        # is the norm before the MLP (Llama's post_attention_layernorm), post_feedforward_layernorm the MLP's output.
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+        self.rope = config.layer_rope[index] if config.layer_rope else None  # its rotary table
 
     def forward(self, hidden, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next norm adds the two. residual is
@@ -205,6 +221,9 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         attended = self.self_attn(normed, cos, sin, kv_cache, meta)
+        if self.sandwich:
+            normed, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), residual)
+            return self.post_feedforward_layernorm(self.mlp(normed)), residual
         if self.residual_multiplier != 1.0:
             attended.mul_(self.residual_multiplier)
         normed, residual = self.post_attention_layernorm(attended, residual)
@@ -223,7 +242,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, attention_backend, fused_ops, index)
                                     for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.rotary = RotaryEmbedding(config)
+        # One rotary table, or one per layer type (Gemma 3: sliding and full attention).
+        self.rotary = nn.ModuleDict({kind: RotaryEmbedding(config, kind) for kind in set(config.layer_rope)}
+                                    if config.layer_rope else {ALL_LAYERS: RotaryEmbedding(config)})
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, False, fused_ops
         )
@@ -240,10 +261,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
-        cos, sin = self.rotary(positions, hidden.dtype)
+        tables = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotary.items()}
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, *tables[layer.rope or ALL_LAYERS], kv_cache, meta)
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -304,6 +325,8 @@ class LlamaForCausalLM(nn.Module):
             if destination.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
             destination.copy_(tensor)
+            if self.config.sandwich_norms and target.endswith("norm.weight"):
+                destination.add_(1.0)  # Gemma's RMSNorm scales by 1 + w: held as that factor
             loaded.add(target if rows is None else f"{target}[{rows[0]}]")
         missing = self._missing(params, loaded, fused)
         if missing:

@@ -16,7 +16,7 @@ TOLERANCE = 1e-4
 BLOCK_SIZE = 8
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite", "mistral", "llama3-rope"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "mistral", "llama3-rope"])
 def tiny_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return path, write_tiny_model(request.param, path)
