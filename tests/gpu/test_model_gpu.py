@@ -1,7 +1,7 @@
 """The whole model through ModelRunner on CUDA with the CuPy kernels, against transformers on the same GPU.
 
-Random-weight Llama, Qwen2 and Qwen3 checkpoints are written here (head sizes the kernels implement: 64 and 128;
-GQA ratios 2, 4 and 7). bfloat16: logits of every step of a mixed batch (a fresh prompt, a prompt fed in
+Random-weight Llama, Qwen2, Qwen3 and Gemma 3 checkpoints are written here (head sizes the kernels implement: 64
+and 128; GQA ratios 2, 4 and 7). bfloat16: logits of every step of a mixed batch (a fresh prompt, a prompt fed in
 chunks, a decoding sequence) within bf16 tolerance of transformers in bf16. float32: greedy tokens equal to
 transformers' choices on the same sequence. The runners capture CUDA graphs, so their decode-only steps
 are graph replays.
@@ -24,7 +24,7 @@ VOCAB = 256
 
 
 def write_model(kind: str, path, seed: int = 0):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, intermediate_size=384, num_hidden_layers=2, max_position_embeddings=1024,
                   eos_token_id=VOCAB - 1, bos_token_id=0)
@@ -44,6 +44,11 @@ def write_model(kind: str, path, seed: int = 0):
         config = Qwen3Config(**common, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                              tie_word_embeddings=True,
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif kind == "gemma3":  # 4 heads over 2 KV heads, head_dim 128, sandwich norms, two rotary tables
+        config = Gemma3TextConfig(**common, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=128, query_pre_attn_scalar=128, tie_word_embeddings=True,
+                                  layer_types=["sliding_attention", "full_attention"], sliding_window=1024,
+                                  pad_token_id=None)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -52,12 +57,12 @@ def write_model(kind: str, path, seed: int = 0):
         for name, param in model.named_parameters():
             if name.endswith("bias"):  # zero at init: randomise so a dropped bias shows
                 param.normal_(0, 0.5)
-            if name.endswith(("q_norm.weight", "k_norm.weight")):  # ones at init: so that a swapped one shows
+            if name.endswith("norm.weight"):  # ones (Gemma's: zeros) at init: so that a swapped one shows
                 param.normal_(1, 0.5)
     model.save_pretrained(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-d128", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-d128", "qwen3", "gemma3"])
 def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_model(request.param, path)
