@@ -34,7 +34,7 @@ from frontend.reasoning import ReasoningStream, split_reasoning
 from frontend.responses import (ResponseEvents, ResponsesError, chat_messages, chat_tool_choice, chat_tools,
                                 finished, output_items, text_format)
 from frontend.responses import usage as responses_usage
-from frontend.tools import ToolError, plan_tool_calls, template_messages
+from frontend.tools import ToolError, plan_tool_calls
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
@@ -501,7 +501,7 @@ class OpenAIServer:
         if body.functions:
             raise APIError(400, "functions, OpenAI's older form of tools, are not supported: give tools", "functions")
         inp = self._sampling_input(body, request)
-        inp.messages = template_messages(_messages(body.messages))
+        inp.messages = _messages(body.messages)
         tool_calls = self._plan_tools(inp, body.tools, body.tool_choice, body.parallel_tool_calls)
         for name, value in _chat_options(body).items():
             setattr(inp, name, value)
@@ -584,7 +584,7 @@ class OpenAIServer:
                             max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
                             seed=body.seed, priority=body.priority)
         try:
-            inp.messages = template_messages(chat_messages(body.input, body.instructions))
+            inp.messages = chat_messages(body.input, body.instructions)
             inp.json_schema, inp.json_object = text_format(body.text)
             tools = chat_tools(body.tools)
             tool_choice = chat_tool_choice(body.tool_choice)

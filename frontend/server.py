@@ -18,7 +18,6 @@ from google.protobuf import json_format
 
 from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import BackendStats, FrontendMetrics
-from frontend.tools import template_messages
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
 from pagedserve.convert import FINISH_REASONS, sampling_to_proto, scheduler_update_from_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -216,7 +215,7 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         inp.prompt_token_ids = list(request.prompt_token_ids.ids)
     elif which == "messages":
         chat = request.messages
-        inp.messages = template_messages([_chat_message(m) for m in chat.messages])
+        inp.messages = [_chat_message(m) for m in chat.messages]
         if chat.HasField("tools"):
             inp.tools = json_format.MessageToDict(chat.tools)
         if chat.HasField("add_generation_prompt"):

@@ -237,26 +237,3 @@ def function_schemas(tools: list) -> dict[str, dict]:
             raise ToolError("tools", f"tools[{i}].function.parameters must be a JSON schema object")
         functions[name] = parameters or ANY_OBJECT
     return functions
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages for a chat template: an assistant's tool calls with their arguments as objects, as templates
-    iterate them (vLLM does the same); arguments that are not JSON stay text."""
-    out = []
-    for message in messages:
-        calls = message.get("tool_calls")
-        if calls:
-            message = {**message, "tool_calls": [_with_parsed_arguments(call) for call in calls]}
-        out.append(message)
-    return out
-
-
-def _with_parsed_arguments(call: dict) -> dict:
-    function = call.get("function") or {}
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            function = {**function, "arguments": json.loads(arguments)}
-        except json.JSONDecodeError:
-            pass
-    return {**call, "function": function}

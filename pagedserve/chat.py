@@ -3,6 +3,7 @@ offline LLM, with vLLM's options (add_generation_prompt, continue_final_message,
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,29 @@ def load_chat_template(value: str) -> str:
     raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
 
 
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages for a chat template: an assistant's tool calls with their arguments as objects, as templates
+    iterate them (vLLM does the same); arguments that are not JSON stay text."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_with_parsed_arguments(call) for call in calls]}
+        out.append(message)
+    return out
+
+
+def _with_parsed_arguments(call: dict) -> dict:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function = {**function, "arguments": json.loads(arguments)}
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}
+
+
 def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
                 tools: list[dict] | None = None) -> str:
@@ -47,7 +71,7 @@ def render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: boo
         if taken := sorted(set(extra) & own):
             raise ChatOptionError("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}")
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(template_messages(messages), tools=tools, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, tokenize=False, **extra)
     except Exception as error:  # jinja errors, or a final message with nothing to continue
         raise ChatTemplateRejected(str(error)) from None

@@ -7,7 +7,8 @@ import json
 import jsonschema
 import pytest
 
-from frontend.tools import ToolCallStream, ToolError, plan_tool_calls, template_messages
+from frontend.tools import ToolCallStream, ToolError, plan_tool_calls
+from pagedserve.chat import template_messages
 from tests.support.http_app import http_app
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -138,8 +138,7 @@ def test_tools_and_earlier_calls_reach_the_template_from_either_api(tok):
     messages = USER + [{"role": "assistant", "content": "", "tool_calls": [call]},
                        {"role": "tool", "content": "12 C", "tool_call_id": "c1", "name": "get_weather"}]
     inp = _generate_input(build_request(messages=messages, tools=tools, max_tokens=4))
-    assert inp.tools == tools and inp.messages[2] == messages[2]
-    assert inp.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert inp.tools == tools and inp.messages[1:] == messages[1:]  # as sent; the rendering parses the arguments
 
     showing = copy.deepcopy(tok)  # a template that renders the tools and the calls
     showing.chat_template = ("{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}"
