@@ -1,12 +1,9 @@
 """What the model code needs to know about a checkpoint, read from its transformers config."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 # model_type -> (q/k/v projections carry a bias, o projection carries a bias); None: read the config.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
@@ -66,6 +63,9 @@ class ModelArchitecture:
     sandwich_norms: bool = False
     # The rotary table of each layer: a key of rope_parameters where the config gives one per layer type, else None.
     layer_rope: tuple[str | None, ...] = ()
+    # Each layer's sliding window (a query at position p sees the keys at (p - window, p]), None for full
+    # attention; empty where no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -81,15 +81,9 @@ class ModelArchitecture:
             biases = (attention_bias, attention_bias)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise ValueError(f"{model_type} with bidirectional attention (an embedding model) is not supported")
         context_len = hf_config.max_position_embeddings
-        sliding_window = _active_sliding_window(hf_config)
-        if sliding_window is not None and sliding_window < context_len:
-            # Without sliding-window attention, outputs match the reference only within the window.
-            logger.warning(
-                "%s uses a sliding window of %d tokens, which this engine does not implement; "
-                "capping the context length at the window", model_type, sliding_window,
-            )
-            context_len = sliding_window
         if max_model_len is None:
             max_model_len = context_len
         elif not 0 < max_model_len <= context_len:
@@ -129,6 +123,7 @@ class ModelArchitecture:
             hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu"),
             sandwich_norms=gemma,
             layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if gemma else (),
+            layer_windows=_layer_windows(hf_config),
         )
 
     def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -158,10 +153,23 @@ class ModelArchitecture:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
-def _active_sliding_window(hf_config) -> int | None:
+def _layer_windows(hf_config) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers applies it: the layers that layer_types marks
+    "sliding_attention", or every layer where the config has a window but no layer types (Mistral)."""
     window = getattr(hf_config, "sliding_window", None)
     if window is None:
-        return None
+        return ()
     if hf_config.model_type in ("qwen2", "qwen3", "smollm3") and not getattr(hf_config, "use_sliding_window", False):
-        return None
-    return int(window)
+        return ()
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {window}")
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is None:
+        return (int(window),) * hf_config.num_hidden_layers
+    if len(layer_types) != hf_config.num_hidden_layers:
+        raise ValueError(f"layer_types lists {len(layer_types)} layers, the model has {hf_config.num_hidden_layers}")
+    unknown = set(layer_types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"unsupported layer types {sorted(unknown)}; sliding_attention or full_attention")
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(w is not None for w in windows) else ()

@@ -37,10 +37,10 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if kind == "gemma3":  # a sliding and a full-attention layer, each with its rotary table; head_dim its own
         return Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True,
-                                layer_types=["sliding_attention", "full_attention"],
-                                sliding_window=max_position_embeddings, pad_token_id=None)
-    if kind == "mistral":
-        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+                                layer_types=["sliding_attention", "full_attention"], sliding_window=24,
+                                pad_token_id=None)
+    if kind == "mistral":  # a sliding window on every layer, as Mistral 7B v0.1 has
+        return MistralConfig(**common, tie_word_embeddings=False, sliding_window=40)
     raise ValueError(kind)
 
 

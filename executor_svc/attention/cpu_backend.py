@@ -134,9 +134,10 @@ class CpuPagedAttention:
         key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         value_cache: torch.Tensor,
         meta: CpuAttentionMetadata,
+        window: int | None = None,  # a sliding window: a query at position p sees the keys at (p - window, p]
     ) -> torch.Tensor:
         self.ops.write_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         self.ops.paged_attention(out, query, key_cache, value_cache, meta.query_start, meta.context_lens,
-                                 meta.block_tables, self.num_heads, self.scale)
+                                 meta.block_tables, self.num_heads, self.scale, window or 0)
         return out

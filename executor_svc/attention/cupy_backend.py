@@ -73,6 +73,7 @@ SMEM_RESERVED_PER_CTA = 1024  # the driver's own shared memory per resident CTA 
 SM90_DECODE_REGISTERS = {64: 94, 128: 164}
 
 LOG2_E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the kernels' window argument without a sliding window: wider than any context
 
 
 def decode_smem_bytes(head_dim: int) -> int:
@@ -431,16 +432,19 @@ class CupyPagedAttention:
         key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         value_cache: torch.Tensor,
         meta: CupyAttentionMetadata,
+        window: int | None = None,  # a sliding window: a query at position p sees the keys at (p - window, p]
     ) -> torch.Tensor:
         out = torch.empty((query.shape[0], self.num_heads * self.head_dim), dtype=query.dtype, device=query.device)
-        launches = self.plan_forward(query, key, value, key_cache, value_cache, meta, out)
+        launches = self.plan_forward(query, key, value, key_cache, value_cache, meta, out, window)
         if launches:
             self.launcher(launches, query.device)
         return out
 
-    def plan_forward(self, query, key, value, key_cache, value_cache, meta: CupyAttentionMetadata, out) -> list[Launch]:
+    def plan_forward(self, query, key, value, key_cache, value_cache, meta: CupyAttentionMetadata, out,
+                     window: int | None = None) -> list[Launch]:
         """The kernel launches of one forward, after checking every tensor they touch."""
         self._check_inputs(query, key, value, key_cache, value_cache, meta, out)
+        _check(window is None or window >= 1, f"window must be at least 1, got {window}")
         num_tokens = query.shape[0]
         if num_tokens == 0:
             return []
@@ -450,6 +454,7 @@ class CupyPagedAttention:
         i32, i64, f32 = np.int32, np.int64, np.float32
         block_size_log2 = i32(meta.block_size.bit_length() - 1)
         scale_log2 = f32(self.scale * LOG2_E)
+        window_arg = i32(NO_WINDOW if window is None else min(window, NO_WINDOW))
         q_stride = i64(query.stride(0))
         stride = meta.table_stride
         launches = []
@@ -468,7 +473,7 @@ class CupyPagedAttention:
                 f"paged_attention_rows_{suffix}_d{d}", (num_tokens, h, 1), (ROWS_THREADS, 1, 1), 0,
                 (out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  meta.block_tables.data_ptr(), meta.row_seq.data_ptr(), meta.row_keys.data_ptr(),
-                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2),
+                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2, window_arg),
             ))
             return launches
 
@@ -478,7 +483,7 @@ class CupyPagedAttention:
                 prefill_smem_bytes(d),
                 (out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  meta.block_tables.data_ptr(), meta.prefill_seqs.data_ptr(), meta.prefill_work.data_ptr(),
-                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2),
+                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2, window_arg),
             ))
         if meta.num_decodes:
             parts = meta.decode_partitions
@@ -492,7 +497,7 @@ class CupyPagedAttention:
                 (DECODE_THREADS, 1, 1), decode_smem_bytes(d),
                 (out.data_ptr(), *workspace, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables,
                  meta.decode_context_lens.data_ptr(), i32(h), i32(kvh), block_size_log2, i32(stride), q_stride,
-                 i32(meta.num_prefill_tokens), i32(meta.decode_partition_size), i32(parts), scale_log2),
+                 i32(meta.num_prefill_tokens), i32(meta.decode_partition_size), i32(parts), scale_log2, window_arg),
             ))
         return launches
 

@@ -8,7 +8,7 @@ a request lives in block ``table[p // block_size]`` at offset ``p % block_size``
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ class PrefillSegment:
     # [num_queries, context_len] float32, 0 or -inf: query i sits at position context_len - n + i and
     # sees keys at positions <= it (the causal rule aligned bottom-right, for chunks).
     bias: torch.Tensor
+    windowed_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # the same with a sliding window, by window
 
 
 @dataclass(slots=True)
@@ -36,6 +37,17 @@ class DecodeGroup:
     row_start: int  # rows [row_start, row_start + rows) of the flat batch
     block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
     bias: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] float32: 0 below the context length, else -inf
+    context_lens: torch.Tensor  # [rows] int64
+    windowed_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # also -inf before the window, by window
+
+    def bias_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.bias
+        if window not in self.windowed_bias:
+            key_positions = torch.arange(self.bias.shape[-1], device=self.bias.device)
+            before = key_positions[None, :] < (self.context_lens[:, None] - window)
+            self.windowed_bias[window] = self.bias.masked_fill(before[:, None, None, :], float("-inf"))
+        return self.windowed_bias[window]
 
 
 @dataclass(slots=True)
@@ -51,10 +63,14 @@ class AttentionMetadata:
 QUERY_TILE = 256
 
 
-def causal_bias(num_queries: int, context_len: int) -> torch.Tensor:
+def causal_bias(num_queries: int, context_len: int, window: int | None = None) -> torch.Tensor:
+    """With a sliding window, a query at position p sees only the keys at (p - window, p]."""
     key_pos = torch.arange(context_len)
     query_pos = torch.arange(context_len - num_queries, context_len)
-    return torch.zeros(num_queries, context_len).masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    hidden = key_pos[None, :] > query_pos[:, None]
+    if window is not None:
+        hidden |= key_pos[None, :] <= query_pos[:, None] - window
+    return torch.zeros(num_queries, context_len).masked_fill_(hidden, float("-inf"))
 
 
 class TorchPagedAttention:
@@ -105,6 +121,7 @@ class TorchPagedAttention:
         key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,  # a sliding window: a query at position p sees the keys at (p - window, p]
     ) -> torch.Tensor:
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_dim)
@@ -121,13 +138,19 @@ class TorchPagedAttention:
             else:
                 keys = _gather(key_cache, seg.block_ids, seg.context_len)
                 values = _gather(value_cache, seg.block_ids, seg.context_len)
+            seg_bias = seg.bias
+            if window is not None:
+                if window not in seg.windowed_bias:
+                    seg.windowed_bias[window] = causal_bias(seg.query_end - seg.query_start, seg.context_len,
+                                                            window).to(seg.bias.device)
+                seg_bias = seg.windowed_bias[window]
             for tile in range(seg.query_start, seg.query_end, QUERY_TILE):
                 tile_end = min(tile + QUERY_TILE, seg.query_end)
-                bias = seg.bias[tile - seg.query_start : tile_end - seg.query_start]
+                bias = seg_bias[tile - seg.query_start : tile_end - seg.query_start]
                 out[tile:tile_end] = self._prefill_tile(q[tile:tile_end], keys, values, bias)
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.block_tables.shape[0])
-            out[rows] = self._decode(q[rows], key_cache, value_cache, group)
+            out[rows] = self._decode(q[rows], key_cache, value_cache, group, group.bias_for(window))
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _prefill_tile(self, q, keys, values, bias) -> torch.Tensor:
@@ -139,7 +162,7 @@ class TorchPagedAttention:
         out = torch.matmul(probs, values)  # [KVH, G*n, D]
         return out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads, d)
 
-    def _decode(self, q, key_cache, value_cache, group: DecodeGroup) -> torch.Tensor:
+    def _decode(self, q, key_cache, value_cache, group: DecodeGroup, bias: torch.Tensor) -> torch.Tensor:
         rows, max_blocks = group.block_tables.shape
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         block_size = key_cache.shape[2]
@@ -148,7 +171,7 @@ class TorchPagedAttention:
         # Scores block by block: the query broadcasts over blocks, so the gathered tiles are used in place.
         scores = torch.matmul(q.view(rows, 1, kvh, g, d), keys.transpose(-1, -2)).float()  # [rows, blocks, KVH, G, bs]
         scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kvh, g, max_blocks * block_size)
-        probs = (scores * self.scale + group.bias).softmax(-1).to(q.dtype)
+        probs = (scores * self.scale + bias).softmax(-1).to(q.dtype)
         probs = probs.view(rows, kvh, g, max_blocks, block_size).permute(0, 3, 1, 2, 4)
         out = torch.matmul(probs, values).sum(1)  # [rows, KVH, G, D]
         return out.reshape(rows, self.num_heads, d)
@@ -164,7 +187,8 @@ def _decode_group(layout: BatchLayout, first: int, end: int, row_start: int, dev
     key_positions = np.arange(max_blocks * layout.block_size)
     bias = np.where(key_positions[None, :] < context_lens[:, None], 0.0, -np.inf).astype(np.float32)
     return DecodeGroup(
-        row_start, torch.from_numpy(tables).to(device), torch.from_numpy(bias).to(device)[:, None, None, :]
+        row_start, torch.from_numpy(tables).to(device), torch.from_numpy(bias).to(device)[:, None, None, :],
+        torch.from_numpy(context_lens).to(device),
     )
 
 

@@ -24,6 +24,7 @@ constexpr int MAX_HEAD_DIM = 256;
 constexpr int MAX_DOT_ROWS = 16;  // items with fewer rows than a vector holds take the dot-product path
 constexpr int ROW_VECS = 3;  // vectors of query rows per prefill item: 3 x ROWS_KEY_CHUNK accumulators + 3 + 1 fit the registers
 constexpr int KEY_TILE = 32;  // keys per online-softmax step of either path
+constexpr int NO_WINDOW = 1 << 30;  // wider than any context
 
 // All-zero bits are 0.0 in float32 and in bfloat16: one row serves both.
 alignas(64) const float kZeros[MAX_HEAD_DIM] = {};
@@ -39,6 +40,7 @@ struct Args {
   const int32_t* block_tables;
   long query_stride, out_stride, block_table_stride;
   int num_heads, num_kv_heads, head_dim, block_size;
+  int window;  // a query at position p sees the keys at (p - window, p]; NO_WINDOW: all up to p
   float scale;
   bool bf16;
 };
@@ -167,10 +169,11 @@ void check_cache(const at::Tensor& cache, const at::Tensor& other) {
 // out [T, H * D] and query [T, H * D] (rows may be strided, each row's heads contiguous), caches HND,
 // query_start [S + 1], context_lens [S], block_tables [S, max_blocks] (int32): sequence s owns rows
 // [query_start[s], query_start[s + 1]), its queries are its last n positions of context_lens[s], and a query
-// at position p sees the keys at positions <= p.
+// at position p sees the keys at positions <= p, and with a sliding window (window > 0) only the last `window`
+// of them: (p - window, p].
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& query_start, const at::Tensor& context_lens,
-                     const at::Tensor& block_tables, int64_t num_heads, double scale) {
+                     const at::Tensor& block_tables, int64_t num_heads, double scale, int64_t window) {
   check_cache(key_cache, value_cache);
   const int kvh = key_cache.size(1), D = key_cache.size(3);
   TORCH_CHECK(num_heads % kvh == 0, "num_heads must be a multiple of num_kv_heads");
@@ -189,7 +192,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   Args a{query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), kZeros,
          query_start.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
          query.stride(0), out.stride(0), block_tables.stride(0), (int)num_heads, kvh, D, (int)key_cache.size(2),
-         (float)scale, key_cache.scalar_type() == at::kBFloat16};
+         window > 0 && window < NO_WINDOW ? (int)window : NO_WINDOW, (float)scale,
+         key_cache.scalar_type() == at::kBFloat16};
 
   std::vector<WorkItem> items;
   const int32_t* qs = a.query_start;
@@ -205,7 +209,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     const int tile = rows_path ? ROW_VECS * W : rows;
     for (int row0 = 0; row0 < rows; row0 += tile) {
       const int r = std::min(tile, rows - row0);
-      const double keys = cl[s] - n + (row0 + r - 1) / G + 1;
+      const int first_pos = cl[s] - n;
+      const double keys = first_pos + (row0 + r - 1) / G + 1 - std::max(0, first_pos + row0 / G - a.window + 1);
       const int most = rows_path || !group_heads ? 1 : std::max(1, MAX_DOT_ROWS / r);
       const int groups = (kvh + most - 1) / most, per_group = (kvh + groups - 1) / groups;
       for (int h = 0; h < kvh; h += per_group) {
@@ -359,7 +364,7 @@ void rotary_bf16_rows(uint16_t* q, long q_stride, uint16_t* k, long k_stride, co
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor query_start, "
-        "Tensor context_lens, Tensor block_tables, int num_heads, float scale) -> ()");
+        "Tensor context_lens, Tensor block_tables, int num_heads, float scale, int window=0) -> ()");
   m.def("write_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("argmax(Tensor logits) -> Tensor");

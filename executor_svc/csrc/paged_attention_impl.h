@@ -228,6 +228,9 @@ static inline void chunk_rows(const Args& a, int seq, int kv_head, int j0, int c
   }
 }
 
+// The first key a query at position pos sees: its window's start (0 without a window).
+static inline int first_key(const Args& a, int pos) { return pos - a.window + 1 > 0 ? pos - a.window + 1 : 0; }
+
 // Float32 views of `count` K or V rows for the row-vector path, whose inner loops read single elements:
 // bfloat16 rows are converted once, a vector at a time, into buf; float32 rows are used in place. (The
 // dot-product path converts as it loads: with few rows, a store and reload would cost more.)
@@ -361,7 +364,7 @@ static inline void apply_value_pairs_dot(int D, int nk, const float (*pw)[KEY_TI
 template <typename T, int HEAD_DIM, int NR>
 static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DIM],
                             const unsigned short (*qb)[MAX_HEAD_DIM], float scale, float (*acc)[MAX_HEAD_DIM],
-                            float* m, float* l, const int* pos, const T* const* kp, const T* const* vp,
+                            float* m, float* l, const int* pos, int window, const T* const* kp, const T* const* vp,
                             const T* const* next_kp, const T* const* next_vp, bool prefetch) {
   constexpr int TK = KEY_TILE, KB = dot_keys<NR>(), PV = pv_vecs<NR>();
   static_assert(TK % KB == 0, "a tile is whole key groups");
@@ -399,12 +402,14 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
     for (int r = 0; r < NR; r++) {
       VS scores = sum_keys<KB>(dots[r]);
       if (qb != nullptr) scores *= scale;
-      *(VS*)&pw[r][jj] = key_pos > (float)pos[r] - VS{} ? -__builtin_inff() - VS{} : scores;
+      const auto hidden = (key_pos > (float)pos[r] - VS{}) | (key_pos <= (float)(pos[r] - window) - VS{});
+      *(VS*)&pw[r][jj] = hidden ? -__builtin_inff() - VS{} : scores;
     }
   }
   // The rows' softmax steps interleaved, their chains independent. Only a tile with keys past some row's
-  // position holds -inf scores to zero; a running max that did not move rescales nothing.
-  const bool masked = j0 + TK - 1 > pos[0];  // (a block's rows are in position order)
+  // position, or before some row's window, holds -inf scores to zero; a running max that did not move (a row
+  // that saw only hidden keys so far included) rescales nothing.
+  const bool masked = j0 + TK - 1 > pos[0] || j0 <= pos[NR - 1] - window;  // (a block's rows are in position order)
   float m_new[NR], alpha[NR];
   for (int r = 0; r < NR; r++) {
     V mx = load(&pw[r][0]);
@@ -496,18 +501,19 @@ static void attend_dot(const Args& a, const WorkItem& it) {
   // Blocks as even as the block size allows (7 rows: 3, 2, 2).
   const int num_blocks = (rows + DOT_ROW_BLOCK - 1) / DOT_ROW_BLOCK;
   const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
+  const int key_begin = first_key(a, first_pos + it.row0 / G);
   const T* kp[TK];
   const T* vp[TK];
   const T* next_kp[MAX_DOT_ROWS][TK];
   const T* next_vp[MAX_DOT_ROWS][TK];
   for (int hh = 0; hh < heads; hh++) {
-    chunk_rows(a, s, it.kv_head + hh, 0, TK, key_end, next_kp[hh], next_vp[hh]);
+    chunk_rows(a, s, it.kv_head + hh, key_begin, TK, key_end, next_kp[hh], next_vp[hh]);
     for (int j = 0; j < TK; j++) {  // the first tile: the item's later tiles are fetched a tile ahead
       prefetch_row(next_kp[hh][j], D);
       prefetch_row(next_vp[hh][j], D);
     }
   }
-  for (int j0 = 0; j0 < key_end; j0 += TK) {
+  for (int j0 = key_begin; j0 < key_end; j0 += TK) {
     const int nk = key_end - j0 < TK ? key_end - j0 : TK;  // keys from nk on read the row of zeros
     const bool more = j0 + TK < key_end;
     for (int hh = 0; hh < heads; hh++) {
@@ -525,17 +531,17 @@ static void attend_dot(const Args& a, const WorkItem& it) {
         const unsigned short (*rows_b)[MAX_HEAD_DIM] = pairs ? qb + r0 : nullptr;
         switch (nr) {
           case 1:
-            dot_tile<T, HEAD_DIM, 1>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            dot_tile<T, HEAD_DIM, 1>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, kp, vp, prefetch_keys, prefetch_values, b == 0);
             break;
           case 2:
-            dot_tile<T, HEAD_DIM, 2>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            dot_tile<T, HEAD_DIM, 2>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, kp, vp, prefetch_keys, prefetch_values, b == 0);
             break;
           case 3:
-            dot_tile<T, HEAD_DIM, 3>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            dot_tile<T, HEAD_DIM, 3>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, kp, vp, prefetch_keys, prefetch_values, b == 0);
             break;
           default:
             if constexpr (DOT_ROW_BLOCK >= 4)
-              dot_tile<T, HEAD_DIM, 4>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, kp, vp, prefetch_keys, prefetch_values, b == 0);
+              dot_tile<T, HEAD_DIM, 4>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, kp, vp, prefetch_keys, prefetch_values, b == 0);
         }
         i0 += nr;
       }
@@ -655,6 +661,7 @@ static void attend_rows(const Args& a, const WorkItem& it) {
   alignas(64) float acc[MAX_HEAD_DIM][RT];
   alignas(64) float pw[TK][RT];  // a tile's scores, then its softmax weights
   alignas(64) float posf[RT];
+  alignas(64) float lowf[RT];  // each row's last hidden position before its window
   alignas(64) float kbuf[sizeof(T) == 4 || PAIRS ? 1 : TK * MAX_HEAD_DIM];
   alignas(64) float vbuf[sizeof(T) == 4 || PAIRS ? 1 : TK * MAX_HEAD_DIM];
   // With pairs, the values go through dot_pairs too: a tile's V as pairs of consecutive keys along head_dim,
@@ -697,18 +704,22 @@ static void attend_rows(const Args& a, const WorkItem& it) {
         if (i < rows) __builtin_memcpy(&pair, query_row(i) + d, 4);
         qp[d / 2][i] = pair;
       }
-  for (int i = 0; i < RT; i++) posf[i] = i < rows ? (float)(first_pos + (it.row0 + i) / G) : 3e38f;
+  for (int i = 0; i < RT; i++) {
+    posf[i] = i < rows ? (float)(first_pos + (it.row0 + i) / G) : 3e38f;
+    lowf[i] = i < rows ? (float)(first_pos + (it.row0 + i) / G - a.window) : -3e38f;
+  }
   for (int d = 0; d < D; d++)
     for (int i = 0; i < RT; i++) acc[d][i] = 0.f;
-  V pos[RV], m[RV], l[RV];
+  V pos[RV], low[RV], m[RV], l[RV];
   for (int v = 0; v < RV; v++) {
     pos[v] = load(&posf[v * W]);
+    low[v] = load(&lowf[v * W]);
     m[v] = splat(-__builtin_inff());
     l[v] = V{};
   }
   const int min_pos = first_pos + it.row0 / G;
   const int key_end = first_pos + (it.row0 + rows - 1) / G + 1;
-  for (int j0 = 0; j0 < key_end; j0 += TK) {
+  for (int j0 = first_key(a, min_pos); j0 < key_end; j0 += TK) {
     const int nk = key_end - j0 < TK ? key_end - j0 : TK;  // keys from nk on read the row of zeros
     const int nc = (nk + KC - 1) / KC * KC;  // whole chunks of scores
     const T* kp[TK];
@@ -753,17 +764,21 @@ static void attend_rows(const Args& a, const WorkItem& it) {
       for (int j = 0; j < KC; j++)
         for (int v = 0; v < RV; v++) store(&pw[jc + j][v * W], sc[j][v]);
     }
-    const bool masked = j0 + nk - 1 > min_pos;  // some key of the tile lies after some row's position
+    // Some key of the tile lies after some row's position, or before its window.
+    const bool masked = j0 + nk - 1 > min_pos || j0 <= key_end - 1 - a.window;
     V alpha[RV];
     for (int v = 0; v < RV; v++) {
       V m_new = m[v];
       for (int j = 0; j < nk; j++) {
         V score = load(&pw[j][v * W]);
-        if (masked) score = splat((float)(j0 + j)) > pos[v] ? splat(-__builtin_inff()) : score;
+        if (masked) {
+          const V key = splat((float)(j0 + j));
+          score = (key > pos[v]) | (key <= low[v]) ? splat(-__builtin_inff()) : score;
+        }
         store(&pw[j][v * W], score);
         m_new = vmax(m_new, score);
       }
-      alpha[v] = vexp(m[v] - m_new);
+      alpha[v] = m_new == m[v] ? splat(1.f) : vexp(m[v] - m_new);  // -inf twice: a row with no key seen yet
       V sum = V{};
       for (int j = 0; j < nk; j++) {
         V score = load(&pw[j][v * W]);

@@ -11,7 +11,8 @@
 // Grid: x = decode row, y = kv_head * head_groups + head_group, z = partition of the context.
 // One CTA (4 warps) serves up to 16 query heads of one KV head (GQA: the G = num_heads / num_kv_heads
 // heads sharing the KV head, padded to the 16 rows of an mma tile; G > 16 takes ceil(G / 16) head groups)
-// over the context slice [z * partition_size, min(context_len, (z + 1) * partition_size)), so each K/V
+// over the context slice [b + z * partition_size, min(context_len, b + (z + 1) * partition_size)), where b is the
+// first key the query sees (0, or with a sliding window context_len - window), so each K/V
 // byte of the slice is read once per head group. Tiles of 64 keys are copied into shared memory with
 // cp.async, two stages deep; warp w scores keys 16w..16w+15 of each tile against all 16 rows with
 // mma.sync and keeps its own online softmax; the 4 warps' states are merged at the end.
@@ -43,7 +44,7 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
                             const T* __restrict__ value_cache, const int* __restrict__ block_tables,
                             const int* __restrict__ context_lens, int num_heads, int num_kv_heads,
                             int block_size_log2, int table_stride, i64 q_stride, int q_row_start,
-                            int partition_size, int num_partitions, float scale_log2) {
+                            int partition_size, int num_partitions, float scale_log2, int window) {
   constexpr int LD = D + PS_SMEM_PAD;     // shared-memory row stride, elements
   constexpr int VECS = D / 8;             // 16-byte vectors per head row
   static_assert(sizeof(T) == 2, "tensor-core path: 16-bit elements");
@@ -61,10 +62,11 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
   const int partition = blockIdx.z;
 
   const int context_len = context_lens[row];
-  const int part_start = partition * partition_size;
+  const int key_begin = max(0, context_len - window);  // the query (at context_len - 1) sees the last `window` keys
+  const int part_start = key_begin + partition * partition_size;
   if (part_start >= context_len) return;  // past this row's context (only with split-K): not counted
-  // Partitions this row's context reaches; every CTA of the row computes the same number.
-  const int used = min(num_partitions, (context_len + partition_size - 1) / partition_size);
+  // Partitions this row's keys reach; every CTA of the row computes the same number.
+  const int used = min(num_partitions, (context_len - key_begin + partition_size - 1) / partition_size);
   const int part_end = min(context_len, part_start + partition_size);
   const int* table = block_tables + static_cast<i64>(row) * table_stride;
 
@@ -228,10 +230,10 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
       NAME(T* out, float* part_out, float* part_ml, u32* part_counters, const T* query, const T* key_cache, \
            const T* value_cache, const int* block_tables, const int* context_lens, int num_heads,           \
            int num_kv_heads, int block_size_log2, int table_stride, i64 q_stride, int q_row_start,          \
-           int partition_size, int num_partitions, float scale_log2) {                                      \
+           int partition_size, int num_partitions, float scale_log2, int window) {                          \
     paged_decode<T, D>(out, part_out, part_ml, part_counters, query, key_cache, value_cache, block_tables,  \
                        context_lens, num_heads, num_kv_heads, block_size_log2, table_stride, q_stride,      \
-                       q_row_start, partition_size, num_partitions, scale_log2);                            \
+                       q_row_start, partition_size, num_partitions, scale_log2, window);                    \
   }
 
 PS_DECODE(paged_decode_bf16_d64, bf16, 64)
@@ -240,7 +242,7 @@ PS_DECODE(paged_decode_f16_d64, fp16, 64)
 PS_DECODE(paged_decode_f16_d128, fp16, 128)
 // ---------------------------------------------------------------------------------------------------
 // Row-wise attention on CUDA cores, for float32 caches (tests, reference runs): any query row over the
-// first `row_keys[row]` positions of sequence `row_seq[row]`. A prefill query at position p is a row with
+// first `row_keys[row]` positions of sequence `row_seq[row]` (the last `window` of them). A prefill query at position p is a row with
 // p + 1 keys, a decode row one with its context length, so one launch covers a whole mixed batch.
 // Grid: (num_rows, num_heads); block: one warp, lane owning elements d = lane + 32 j of the head.
 // Keys are visited in order with an online softmax; the dot product is a warp reduction per key.
@@ -250,7 +252,7 @@ PS_DEVICE void paged_attention_rows(T* __restrict__ out, const T* __restrict__ q
                                     const T* __restrict__ value_cache, const int* __restrict__ block_tables,
                                     const int* __restrict__ row_seq, const int* __restrict__ row_keys,
                                     int num_heads, int num_kv_heads, int block_size_log2, int table_stride,
-                                    i64 q_stride, float scale_log2) {
+                                    i64 q_stride, float scale_log2, int window) {
   constexpr int PER_LANE = D / 32;
   const int row = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
   const int kv_head = head / (num_heads / num_kv_heads);
@@ -267,7 +269,7 @@ PS_DEVICE void paged_attention_rows(T* __restrict__ out, const T* __restrict__ q
     acc[j] = 0.0f;
   }
   float m = PS_NEG_INF, l = 0.0f;
-  for (int pos = 0; pos < num_keys; ++pos) {
+  for (int pos = max(0, num_keys - window); pos < num_keys; ++pos) {
     const int block = table[pos >> block_size_log2];
     const i64 base = ((static_cast<i64>(block) * num_kv_heads + kv_head) << block_size_log2 | (pos & block_mask)) * D;
     float dot = 0.0f;
@@ -302,9 +304,10 @@ PS_DEVICE void paged_attention_rows(T* __restrict__ out, const T* __restrict__ q
   extern "C" __global__ void __launch_bounds__(32)                                                          \
       NAME(T* out, const T* query, const T* key_cache, const T* value_cache, const int* block_tables,       \
            const int* row_seq, const int* row_keys, int num_heads, int num_kv_heads, int block_size_log2,    \
-           int table_stride, i64 q_stride, float scale_log2) {                                              \
+           int table_stride, i64 q_stride, float scale_log2, int window) {                                  \
     paged_attention_rows<T, D>(out, query, key_cache, value_cache, block_tables, row_seq, row_keys,         \
-                               num_heads, num_kv_heads, block_size_log2, table_stride, q_stride, scale_log2); \
+                               num_heads, num_kv_heads, block_size_log2, table_stride, q_stride, scale_log2, \
+                               window);                                                                     \
   }
 
 PS_ROWS(paged_attention_rows_f32_d64, float, 64)

@@ -1,7 +1,8 @@
 // Paged prefill attention for prefill chunks: each query sees its sequence's cached context plus its own
 // chunk causally. A chunk of n queries over a context of L keys (L - n cached, then the chunk itself, all
 // already in the cache: the cache write runs first) puts query i at position L - n + i, and it sees keys
-// at positions <= L - n + i (the causal mask aligned bottom-right).
+// at positions <= L - n + i (the causal mask aligned bottom-right); with a sliding window, only the last
+// `window` of them, at positions > L - n + i - window.
 //
 // Layouts (elements; T is bf16 or fp16):
 //   query        rows of [num_heads * D], row stride q_stride
@@ -14,8 +15,8 @@
 // GQA packing: the G = num_heads / num_kv_heads query heads of one KV head are folded into the rows of
 // one matrix, packed row m = i * G + g (query i, head kv_head * G + g), so the K/V tiles of a KV head are
 // read once for all its query heads. Grid: x = work item, y = KV head. A CTA (4 warps) takes packed rows
-// [m0, m0 + 64), 16 per warp, and sweeps keys [0, key_end) in tiles of 64, where key_end is one past the
-// position of its last query; cp.async double-buffers the tiles. S = Q K^T and O += P V run on tensor
+// [m0, m0 + 64), 16 per warp, and sweeps keys [key_begin, key_end) in tiles of 64, where key_begin is the
+// first key its first query sees (0 without a window) and key_end one past the position of its last query; cp.async double-buffers the tiles. S = Q K^T and O += P V run on tensor
 // cores (mma.sync m16n8k16, float32 accumulation) with an online softmax in between.
 #include "common.cuh"
 
@@ -32,7 +33,7 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
                              const T* __restrict__ value_cache, const int* __restrict__ block_tables,
                              const int* __restrict__ seqs, const int* __restrict__ work, int num_heads,
                              int num_kv_heads, int block_size_log2, int table_stride, i64 q_stride,
-                             float scale_log2) {
+                             float scale_log2, int window) {
   constexpr int LD = D + PS_SMEM_PAD;
   constexpr int VECS = D / 8;
   static_assert(sizeof(T) == 2, "tensor-core path: 16-bit elements");
@@ -47,6 +48,7 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
   const int rows_here = min(PREFILL_ROWS, num_queries * group - m0);
   const int first_pos = context_len - num_queries;                  // position of query 0
   const int key_end = first_pos + (m0 + rows_here - 1) / group + 1;  // keys this CTA's rows can see
+  const int key_begin = max(0, first_pos + m0 / group - window + 1);
   const int* table = block_tables + static_cast<i64>(seq) * table_stride;
 
   T* sq = reinterpret_cast<T*>(dynamic_smem());
@@ -76,7 +78,7 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
       store_zero_16(sq + r * LD + col);
     }
   }
-  load_tile(0, 0);
+  load_tile(0, key_begin);
   cp_async_commit();
 
   // Positions of this lane's two rows (g and g + 8 of the warp's 16); padding rows (past rows_here) take
@@ -95,10 +97,10 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 
-  const int num_tiles = (key_end + PREFILL_TILE - 1) / PREFILL_TILE;
+  const int num_tiles = (key_end - key_begin + PREFILL_TILE - 1) / PREFILL_TILE;
   for (int it = 0; it < num_tiles; ++it) {
     if (it + 1 < num_tiles) {
-      load_tile((it + 1) & 1, (it + 1) * PREFILL_TILE);
+      load_tile((it + 1) & 1, key_begin + (it + 1) * PREFILL_TILE);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -111,13 +113,16 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
     float s[PREFILL_TILE / 8][4];
     warp_qk<T, D, PREFILL_TILE / 8>(s, qf, sk + stage * PREFILL_TILE * LD, LD);
 
-    // Element (n, i) is key tile_start + 8n + 2t + (i & 1) of row h = i >> 1: visible iff key <= its position.
-    const int key_base = it * PREFILL_TILE + 2 * t;
+    // Element (n, i) is key tile_start + 8n + 2t + (i & 1) of row h = i >> 1: visible iff key <= its position
+    // and key > its position - window. (A row may see no key of a tile: online_softmax keeps it at zero.)
+    const int key_base = key_begin + it * PREFILL_TILE + 2 * t;
 #pragma unroll
     for (int n = 0; n < PREFILL_TILE / 8; ++n)
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        s[n][i] = (key_base + 8 * n + (i & 1) <= row_pos[i >> 1]) ? s[n][i] * scale_log2 : PS_NEG_INF;
+      for (int i = 0; i < 4; ++i) {
+        const int key = key_base + 8 * n + (i & 1), pos = row_pos[i >> 1];
+        s[n][i] = (key <= pos && key > pos - window) ? s[n][i] * scale_log2 : PS_NEG_INF;
+      }
 
     online_softmax<D, PREFILL_TILE / 8>(s, m, l, acc);
     warp_pv<T, D, PREFILL_TILE / 8>(acc, s, sv + stage * PREFILL_TILE * LD, LD);
@@ -133,7 +138,7 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
     if (r >= rows_here) continue;
     const int qi = (m0 + r) / group, head = kv_head * group + (m0 + r) - qi * group;
     T* dst = out + static_cast<i64>(q_start + qi) * num_heads * D + static_cast<i64>(head) * D + 2 * t;
-    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // l >= 1: every row sees key 0
+    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // l >= 1: every row sees its own key
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       PS_CHECK_GLOBAL(dst + 8 * n, 4);
@@ -146,9 +151,9 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
   extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)                                             \
       NAME(T* out, const T* query, const T* key_cache, const T* value_cache, const int* block_tables,       \
            const int* seqs, const int* work, int num_heads, int num_kv_heads, int block_size_log2,           \
-           int table_stride, i64 q_stride, float scale_log2) {                                              \
+           int table_stride, i64 q_stride, float scale_log2, int window) {                                  \
     paged_prefill<T, D>(out, query, key_cache, value_cache, block_tables, seqs, work, num_heads,            \
-                        num_kv_heads, block_size_log2, table_stride, q_stride, scale_log2);                 \
+                        num_kv_heads, block_size_log2, table_stride, q_stride, scale_log2, window);         \
   }
 
 PS_PREFILL(paged_prefill_bf16_d64, bf16, 64)

@@ -136,10 +136,12 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None, rotary: bool = True) -> None:
+    def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None, rotary: bool = True,
+                 window: int | None = None) -> None:
         super().__init__()
         self.fused_ops = fused_ops
         self.rotary = rotary
+        self.window = window  # sliding window, or None for full attention
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -163,7 +165,7 @@ class Attention(nn.Module):
         elif self.rotary:
             q = _apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
             k = _apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window)
         return self.o_proj(out)
 
 
@@ -201,7 +203,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.self_attn = Attention(config, attention_backend, fused_ops, rotary=index not in config.no_rope_layers)
+        self.self_attn = Attention(config, attention_backend, fused_ops, rotary=index not in config.no_rope_layers,
+                                   window=config.layer_windows[index] if config.layer_windows else None)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.mlp = MLP(config, fused_ops)
         self.residual_multiplier = config.residual_multiplier

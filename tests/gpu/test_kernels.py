@@ -35,7 +35,7 @@ def run_kernels(problem: PagedProblem, backend: CupyPagedAttention | None = None
     out = torch.full((problem.query.shape[0], problem.num_heads * problem.head_dim), float("nan"),
                      dtype=problem.dtype, device=DEVICE)
     launches = backend.plan_forward(problem.query, problem.key, problem.value, problem.key_cache,
-                                    problem.value_cache, meta, out)
+                                    problem.value_cache, meta, out, problem.window)
     launch_with_cupy(launches, DEVICE)
     torch.cuda.synchronize()
     return out.view(-1, problem.num_heads, problem.head_dim), meta, launches
@@ -87,6 +87,18 @@ def test_mixed_batch_matches_reference(group, head_dim, block_size, dtype):
         assert meta.decode_partitions > 1
         assert kernels == [f"cache_write_{suffix}", f"paged_prefill_{suffix}_d{head_dim}",
                            f"paged_decode_{suffix}_d{head_dim}"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("window", [1, 50, 700])
+def test_sliding_window_mixed_batch_matches_reference(window, dtype):
+    """Prefill chunks longer than the window and split-K decodes far past it; NaN before each first window."""
+    query_lens = [200, 33, 1, 1, 1, 1]
+    problem = PagedProblem(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, query_lens=query_lens,
+                           cached_lens=[0, 380, 0, 40, 900, 2500], num_prefills=2, dtype=dtype, device=DEVICE,
+                           seed=window, window=window)
+    meta, _ = check(problem)
+    assert dtype == torch.float32 or meta.decode_partitions > 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)

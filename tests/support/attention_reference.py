@@ -47,8 +47,10 @@ def paged_attention_reference(
     context_lens: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """[T, H, D] float64: each query at position p attends to its sequence's keys at positions <= p.
+    """[T, H, D] float64: each query at position p attends to its sequence's keys at positions <= p (with a
+    sliding window, only those at positions > p - window).
 
     Sequence i's n = query_lens[i] queries sit at positions context_lens[i] - n .. context_lens[i] - 1, so
     one-token rows are decodes over the whole context and longer chunks see the cached context plus their
@@ -62,11 +64,16 @@ def paged_attention_reference(
     out = torch.empty_like(q)
     row = 0
     for n, context_len, table in zip(query_lens, context_lens, block_tables):
-        keys = gather_context(key_cache, table, context_len)[:, kv_of_head]  # [ctx, H, D]
-        values = gather_context(value_cache, table, context_len)[:, kv_of_head]
+        # Keys from the first query's window on (what a windowed sequence's cache still needs to hold).
+        start = 0 if window is None else max(0, context_len - n - window + 1)
+        keys = gather_context(key_cache, table, context_len)[start:, kv_of_head]  # [keys, H, D]
+        values = gather_context(value_cache, table, context_len)[start:, kv_of_head]
         positions = torch.arange(context_len - n, context_len)
         scores = torch.einsum("nhd,khd->hnk", q[row : row + n], keys) * scale
-        hidden = torch.arange(context_len)[None, :] > positions[:, None]  # [n, ctx]: keys after the query
+        key_positions = torch.arange(start, context_len)[None, :]
+        hidden = key_positions > positions[:, None]  # [n, ctx]: keys after the query
+        if window is not None:
+            hidden |= key_positions <= positions[:, None] - window
         scores = scores.masked_fill(hidden[None], float("-inf"))
         out[row : row + n] = torch.einsum("hnk,khd->nhd", scores.softmax(-1), values)
         row += n
@@ -87,17 +94,18 @@ class PagedProblem:
     neighbouring positions rarely share neighbouring blocks. ``query``, ``key`` and ``value`` are column
     slices of one fused ``[T, (H + 2 * KVH) * D]`` tensor, as the model produces them (rows not dense).
     With ``poison`` the cache holds NaN everywhere a kernel must not read or must overwrite first: past
-    each context, in unused blocks, and in the slots this step writes.
+    each context, in unused blocks, in the slots this step writes, and with a sliding ``window`` before the
+    window of each sequence's first query.
     """
 
     def __init__(
         self, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, query_lens: Sequence[int],
         cached_lens: Sequence[int], num_prefills: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-        seed: int = 0, poison: bool = True, spare_blocks: int = 3,
+        seed: int = 0, poison: bool = True, spare_blocks: int = 3, window: int | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.block_size, self.num_prefills, self.dtype = block_size, num_prefills, dtype
+        self.block_size, self.num_prefills, self.dtype, self.window = block_size, num_prefills, dtype, window
         self.query_lens = list(query_lens)
         self.context_lens = [c + n for c, n in zip(cached_lens, query_lens)]
         self.scale = head_dim**-0.5
@@ -120,7 +128,8 @@ class PagedProblem:
         if poison:
             live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
             for n, ctx, table in zip(self.query_lens, self.context_lens, self.block_tables):
-                cached = torch.arange(ctx - n)  # cached positions hold data; everything else is NaN
+                # Cached positions hold data (from the first query's window on); everything else is NaN.
+                cached = torch.arange(0 if window is None else max(0, ctx - n - window + 1), ctx - n)
                 live[torch.as_tensor(table)[cached // block_size] * block_size + cached % block_size] = True
             dead = ~live.view(num_blocks, 1, block_size, 1).expand(shape)
             key_cache[dead] = float("nan")
@@ -149,6 +158,7 @@ class PagedProblem:
             self.key_cache.cpu(), self.value_cache.cpu(), self.key.cpu(), self.value.cpu(), self.slot_mapping.cpu()
         )
         out = paged_attention_reference(
-            self.query.cpu(), key_cache, value_cache, self.query_lens, self.context_lens, self.block_tables, self.scale
+            self.query.cpu(), key_cache, value_cache, self.query_lens, self.context_lens, self.block_tables, self.scale,
+            self.window,
         )
         return out, key_cache, value_cache

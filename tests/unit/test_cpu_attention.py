@@ -27,7 +27,8 @@ def isa(request):
     ops.select_isa(previous)
 
 
-def random_problem(seed: int, *, group: int, head_dim: int, block_size: int, dtype, poison: bool = True):
+def random_problem(seed: int, *, group: int, head_dim: int, block_size: int, dtype, poison: bool = True,
+                   window: int | None = None):
     rng = random.Random(seed)
     num_kv_heads = rng.choice([1, 2]) if group == 8 else rng.choice([1, 2, 3])
     num_prefills = rng.randint(0, 3)
@@ -38,13 +39,13 @@ def random_problem(seed: int, *, group: int, head_dim: int, block_size: int, dty
              [rng.randint(0, 150) for _ in range(num_decodes)]
     return PagedProblem(num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         block_size=block_size, query_lens=query_lens, cached_lens=cached,
-                        num_prefills=num_prefills, dtype=dtype, seed=seed, poison=poison)
+                        num_prefills=num_prefills, dtype=dtype, seed=seed, poison=poison, window=window)
 
 
 def run_cpu(p: PagedProblem) -> torch.Tensor:
     backend = CpuPagedAttention(p.num_heads, p.num_kv_heads, p.head_dim, p.scale)
     meta = backend.build_metadata(p.layout(), torch.device("cpu"))
-    return backend.forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta)
+    return backend.forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, p.window)
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -101,6 +102,24 @@ def test_kernel_random_sweep(isa, seed):
     dtype = rng.choice([torch.float32, torch.bfloat16])
     p = random_problem(seed, group=rng.choice([1, 2, 3, 4, 7, 8]), head_dim=rng.choice([16, 32, 64, 128, 256]),
                        block_size=rng.choice([1, 3, 8, 16, 32, 64]), dtype=dtype)
+    expected, _, _ = p.expected()
+    assert relative_error(run_cpu(p), expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 7, 32, 45])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_matches_reference_and_reads_nothing_before_it(isa, window, dtype):
+    # Chunks and decodes whose contexts run past the window (the cache holds NaN before each sequence's first
+    # window), on both paths, and wide decode batches whose items serve several KV heads.
+    for i, (group, head_dim, block_size) in enumerate([(3, 64, 16), (8, 128, 8), (1, 64, 32)]):
+        p = random_problem(1000 * window + i, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                           window=window)
+        expected, _, _ = p.expected()
+        assert relative_error(run_cpu(p), expected) < TOLERANCE[dtype], (group, head_dim, block_size)
+    num_seqs = 8 * torch.get_num_threads() + 1
+    p = PagedProblem(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, query_lens=[24] + [1] * num_seqs,
+                     cached_lens=[70] + [window * s % 150 for s in range(num_seqs)], num_prefills=1, dtype=dtype,
+                     seed=window, window=window)
     expected, _, _ = p.expected()
     assert relative_error(run_cpu(p), expected) < TOLERANCE[dtype]
 

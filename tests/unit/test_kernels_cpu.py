@@ -290,7 +290,11 @@ def test_plan_forward_bf16_launches_and_arguments():
     for launch in launches:
         for arg in launch.args:
             assert isinstance(arg, (int, np.int32, np.int64, np.float32)), (launch.kernel, arg)
-    assert decode.args[-1] == np.float32(64**-0.5 * cupy_backend.LOG2_E)
+    assert decode.args[-2:] == (np.float32(64**-0.5 * cupy_backend.LOG2_E), cupy_backend.NO_WINDOW)
+    windowed = backend.plan_forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, out, 24)
+    assert [launch.args[-1] for launch in windowed[1:]] == [24, 24]
+    with pytest.raises(ValueError, match="window must be at least 1"):
+        backend.plan_forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, out, 0)
 
 
 def test_plan_forward_float32_uses_the_row_kernel():
@@ -358,9 +362,10 @@ def test_kernel_source_is_one_translation_unit():
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("window", [None, 5, 24])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_references_match_torch_backend_on_random_ragged_batches(seed, dtype, tolerance):
+def test_references_match_torch_backend_on_random_ragged_batches(seed, dtype, tolerance, window):
     rng = random.Random(seed)
     num_kv_heads, group = rng.choice([(1, 1), (2, 3), (2, 7), (4, 2)])
     head_dim, block_size = rng.choice([16, 64]), rng.choice([4, 8, 16])
@@ -372,12 +377,12 @@ def test_references_match_torch_backend_on_random_ragged_batches(seed, dtype, to
     # The torch backend multiplies masked probabilities by whatever the cache holds: no NaN poison here.
     p = PagedProblem(num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      block_size=block_size, query_lens=query_lens, cached_lens=cached, num_prefills=num_prefills,
-                     dtype=dtype, seed=seed, poison=False)
+                     dtype=dtype, seed=seed, poison=False, window=window)
     expected, key_cache, value_cache = p.expected()
 
     backend = TorchPagedAttention(p.num_heads, num_kv_heads, head_dim, p.scale)
     meta = backend.build_metadata(p.layout(), torch.device("cpu"))
-    got = backend.forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta)
+    got = backend.forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, window)
     assert torch.equal(p.key_cache, key_cache) and torch.equal(p.value_cache, value_cache)
     got = got.view(expected.shape).double()
     rel = ((got - expected).norm() / expected.norm()).item()
@@ -502,8 +507,8 @@ def run_emulated(library, problem: PagedProblem, modes=EMULATION_MODES):
                         meta.decode_context_lens, meta.row_seq, meta.row_keys, meta.decode_part_out,
                         meta.decode_part_ml, meta.decode_counters) if t is not None and t.numel()]
         launcher.configure(*mode)
-        launcher(backend.plan_forward(problem.query, problem.key, problem.value, key_cache, value_cache, meta, out),
-                 None)
+        launcher(backend.plan_forward(problem.query, problem.key, problem.value, key_cache, value_cache, meta, out,
+                                      problem.window), None)
         if meta.decode_counters is not None:  # each row's merging CTA reset its counter for the next launch
             assert not meta.decode_counters.any(), meta.decode_counters
         results.append((out, key_cache, value_cache))
@@ -541,15 +546,21 @@ EMULATED_CASES = {
     "mixed-gqa8-bs8": (torch.bfloat16, (32, 4), 64, 8, [17, 9, 1, 1, 1, 1], [0, 40, 0, 15, 63, 64], 2),
     "f32-rows-mixed": (torch.float32, (6, 2), 64, 16, [9, 1, 1], [3, 2, 39], 1),
     "f32-rows-d128": (torch.float32, (4, 4), 128, 8, [1], [16], 0),
+    # Sliding windows (the last element): the cache holds NaN before each sequence's first window, and the
+    # windows start mid-tile, mid-block and, for the split decode, past its first partition.
+    "window-decode-split": (torch.bfloat16, (14, 2), 64, 16, [1, 1, 1], [4, 299, 700], 0, 333),
+    "window-prefill-row-tiles-d128": (torch.float16, (7, 1), 128, 16, [70, 1], [170, 199], 1, 37),
+    "window-mixed-bs8": (torch.bfloat16, (32, 4), 64, 8, [17, 9, 1, 1], [0, 40, 63, 64], 2, 20),
+    "window-f32-rows": (torch.float32, (6, 2), 64, 16, [9, 1, 1], [3, 2, 39], 1, 6),
 }
 
 
 @pytest.mark.parametrize("case", list(EMULATED_CASES))
 def test_emulated_kernels_match_reference(emulator_library, case):
-    dtype, (h, kvh), d, bs, query_lens, cached, num_prefills = EMULATED_CASES[case]
+    dtype, (h, kvh), d, bs, query_lens, cached, num_prefills, *window = EMULATED_CASES[case]
     meta, kernels = check_emulated(emulator_library, num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=bs,
                                    query_lens=query_lens, cached_lens=cached, num_prefills=num_prefills, dtype=dtype,
-                                   seed=len(case))
+                                   seed=len(case), window=window[0] if window else None)
     if "split" in case:
         assert meta.decode_partitions > 1 and kernels[-1].startswith("paged_decode_")
     if dtype == torch.float32:

@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from executor_svc.model_config import parse_dtype
+from executor_svc.model_config import ModelArchitecture, parse_dtype
 from executor_svc.model_loader import _gguf_key, default_model_gguf, resolve_model_dir, safetensors_files
 from executor_svc.model_runner import ModelRunner
 from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteRequest, ExecuteStep
-from tests.conftest import write_tiny_model
+from tests.conftest import tiny_hf_config, write_tiny_model
 
 
 def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
@@ -37,6 +37,31 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     with torch.no_grad():
         expected = model(torch.tensor([tokens])).logits[0, -1]
     assert (a - expected).abs().max().item() < 1e-4
+
+
+def test_sliding_windows_are_read_per_layer_as_transformers_applies_them():
+    def windows(kind, **changes):
+        config = tiny_hf_config(kind)
+        for name, value in changes.items():
+            setattr(config, name, value)
+        return ModelArchitecture.from_hf_config(config)
+
+    assert windows("gemma3").layer_windows == (24, None)
+    assert windows("mistral").layer_windows == (40, 40)
+    assert windows("mistral", sliding_window=None).layer_windows == ()
+    assert windows("llama").layer_windows == ()
+    # Qwen2's window applies only with use_sliding_window, from layer max_window_layers on.
+    from transformers import Qwen2Config
+    qwen = Qwen2Config(**tiny_hf_config("qwen2").to_diff_dict() | {"use_sliding_window": True, "sliding_window": 16,
+                                                                   "max_window_layers": 1, "layer_types": None})
+    assert ModelArchitecture.from_hf_config(qwen).layer_windows == (None, 16)
+    assert windows("qwen2", sliding_window=16).layer_windows == ()  # use_sliding_window is false
+    # The context is the model's, not capped at the window.
+    assert windows("gemma3").max_model_len == 512
+    with pytest.raises(ValueError, match="bidirectional attention"):
+        windows("gemma3", use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="unsupported layer types"):
+        windows("gemma3", layer_types=["chunked_attention", "full_attention"])
 
 
 def test_unknown_architecture_is_refused(tmp_path):
