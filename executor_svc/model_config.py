@@ -1,9 +1,12 @@
 """What the model code needs to know about a checkpoint, read from its transformers config."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # model_type -> (q/k/v projections carry a bias, o projection carries a bias); None: read the config.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
@@ -16,6 +19,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     # Gemma 3's text model: norms around each sublayer too, weights used as 1 + w, GELU, a rotary table per
     # layer type (sliding or full attention).
     "gemma3_text": None,
+    # Phi-3 and Phi-4-mini: q/k/v and gate/up stored fused, as this model code holds them; a partial rotary
+    # embedding (partial_rotary_factor) and LongRoPE within the original context.
+    "phi3": (False, False),
 }
 # Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
 QK_NORM_ARCHITECTURES = frozenset({"qwen3", "gemma3_text"})
@@ -66,6 +72,7 @@ class ModelArchitecture:
     # Each layer's sliding window (a query at position p sees the keys at (p - window, p]), None for full
     # attention; empty where no layer has one.
     layer_windows: tuple[int | None, ...] = ()
+    rotary_dim: int = 0  # the leading dims of each head the rotary embedding turns (partial_rotary_factor); 0: all
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -83,11 +90,25 @@ class ModelArchitecture:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError(f"{model_type} with bidirectional attention (an embedding model) is not supported")
-        context_len = hf_config.max_position_embeddings
+        context_len, why = hf_config.max_position_embeddings, ""
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        if rope.get("rope_type") == "longrope":
+            # transformers turns a whole sequence to the long factors once it passes the original context (the
+            # cached keys keep the short ones), which a batch of requests at other lengths cannot reproduce:
+            # the short factors, exact within the original context, are served up to it.
+            original = rope.get("original_max_position_embeddings") or context_len
+            if original < context_len:
+                context_len, why = original, " (LongRoPE is served within original_max_position_embeddings)"
+                if max_model_len is None:
+                    logger.info("%s: LongRoPE served within its original context of %d tokens", model_type, original)
         if max_model_len is None:
             max_model_len = context_len
         elif not 0 < max_model_len <= context_len:
-            raise ValueError(f"max_model_len must be in [1, {context_len}], got {max_model_len}")
+            raise ValueError(f"max_model_len must be in [1, {context_len}]{why}, got {max_model_len}")
+        partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None)) or 1.0
+        rotary_dim = int(head_dim * partial)
+        if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+            raise ValueError(f"partial_rotary_factor {partial} gives {rotary_dim} rotary dims of head_dim {head_dim}")
         # The scores' factor: Granite's multiplier, Gemma's query_pre_attn_scalar ** -0.5, else head_dim ** -0.5.
         attention_scale = getattr(hf_config, "attention_multiplier", None)
         if attention_scale is None:
@@ -124,6 +145,7 @@ class ModelArchitecture:
             sandwich_norms=gemma,
             layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if gemma else (),
             layer_windows=_layer_windows(hf_config),
+            rotary_dim=rotary_dim,
         )
 
     def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -137,7 +159,8 @@ class ModelArchitecture:
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
             theta = rope.get("rope_theta", 10000.0)
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            dim = self.rotary_dim or self.head_dim
+            exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
             return 1.0 / (theta ** exponents), 1.0
         if rope_type == "dynamic":
             # Dynamic NTK rescales with the running sequence length, which a shared flat batch lacks.

@@ -8,8 +8,8 @@ import torch
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-                              SmolLM3Config)
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -41,6 +41,11 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
                                 pad_token_id=None)
     if kind == "mistral":  # a sliding window on every layer, as Mistral 7B v0.1 has
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=40)
+    if kind == "phi3":  # fused q/k/v and gate/up, a sliding window, LongRoPE turning half of each head
+        return Phi3Config(**common, tie_word_embeddings=False, sliding_window=48, pad_token_id=None,
+                          original_max_position_embeddings=256, rope_parameters={
+                              "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                              "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [2.0, 4.0, 8.0, 16.0]})
     raise ValueError(kind)
 
 

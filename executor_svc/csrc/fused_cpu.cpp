@@ -17,7 +17,7 @@
 void norm_bf16_rows(uint16_t* out, long out_stride, uint16_t* residual, long residual_stride, const uint16_t* x,
                     long x_stride, const uint16_t* weight, long begin, long end, int H, float eps);
 void rotary_bf16_rows(uint16_t* q, long q_stride, uint16_t* k, long k_stride, const uint16_t* cos,
-                      const uint16_t* sin, long begin, long end, int hq, int hk, int D);
+                      const uint16_t* sin, long begin, long end, int hq, int hk, int D, int R);
 
 namespace {
 
@@ -96,24 +96,28 @@ void add_rms_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x, cons
   norm_rows(out, &residual, x, weight, eps);
 }
 
-// In place on q [T, Hq * D] and k [T, Hk * D]: each head's x becomes x * cos + rotate_half(x) * sin, with
-// rotate_half(x) = (-x[D/2:], x[:D/2]) and cos, sin the [T, D] rows of the tokens' positions, in the dtype of q
-// and k (in bfloat16 each product and the sum rounded, as torch's three operators round them).
+// In place on q [T, Hq * D] and k [T, Hk * D]: the first R (rotary_dim) of each head's D values, x, become
+// x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x[R/2:], x[:R/2]) and cos, sin the [T, R] rows of the
+// tokens' positions, in the dtype of q and k (in bfloat16 each product and the sum rounded, as torch's three
+// operators round them); the other D - R pass through (a partial rotary embedding, R < D).
 void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin, int64_t head_dim) {
   const at::ScalarType dtype = q.scalar_type();
   check_rows(q, "q", dtype);
   check_rows(k, "k", dtype);
-  const int64_t T = q.size(0), D = head_dim, half = D / 2;
+  const int64_t T = q.size(0), D = head_dim;
   TORCH_CHECK(D > 0 && D % 2 == 0 && q.size(1) % D == 0 && k.size(1) % D == 0 && k.size(0) == T,
               "q and k are [T, heads * head_dim] with an even head_dim");
+  if (T == 0) return;
+  const int64_t R = cos.numel() / T, half = R / 2;
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->is_contiguous() && t->numel() == T * D && t->scalar_type() == dtype,
-                "cos and sin are [T, head_dim] in the dtype of q and k");
+    TORCH_CHECK(t->is_contiguous() && t->numel() == T * R && R > 0 && R % 2 == 0 && R <= D &&
+                t->scalar_type() == dtype,
+                "cos and sin are [T, rotary_dim] (an even rotary_dim up to head_dim) in the dtype of q and k");
   const int64_t hq = q.size(1) / D, hk = k.size(1) / D;
   if (dtype == at::kBFloat16) {
-    at::parallel_for(0, T, grain((hq + hk) * D), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, T, grain((hq + hk) * R), [&](int64_t begin, int64_t end) {
       rotary_bf16_rows(bits(q), q.stride(0), bits(k), k.stride(0), bits(cos), bits(sin), begin, end, (int)hq,
-                       (int)hk, (int)D);
+                       (int)hk, (int)D, (int)R);
     });
     return;
   }
@@ -122,10 +126,10 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor&
   float* qp = q.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   const int64_t qs = q.stride(0), ks = k.stride(0);
-  at::parallel_for(0, T, grain((hq + hk) * D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, grain((hq + hk) * R), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
-      const float* c = cp + t * D;
-      const float* s = sp + t * D;
+      const float* c = cp + t * R;
+      const float* s = sp + t * R;
       for (int64_t h = 0; h < hq + hk; h++) {
         float* x = h < hq ? qp + t * qs + h * D : kp + t * ks + (h - hq) * D;
         for (int64_t i = 0; i < half; i++) {

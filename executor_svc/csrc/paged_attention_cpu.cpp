@@ -357,8 +357,8 @@ void norm_bf16_rows(uint16_t* out, long out_stride, uint16_t* residual, long res
 }
 
 void rotary_bf16_rows(uint16_t* q, long q_stride, uint16_t* k, long k_stride, const uint16_t* cos,
-                      const uint16_t* sin, long begin, long end, int hq, int hk, int D) {
-  PAGED_FOR_ISA(rotary_bf16_rows(q, q_stride, k, k_stride, cos, sin, begin, end, hq, hk, D));
+                      const uint16_t* sin, long begin, long end, int hq, int hk, int D, int R) {
+  PAGED_FOR_ISA(rotary_bf16_rows(q, q_stride, k, k_stride, cos, sin, begin, end, hq, hk, D, R));
 }
 #undef PAGED_FOR_ISA
 

@@ -919,13 +919,13 @@ static void norm_bf16_rows(unsigned short* out, long os, unsigned short* residua
 }
 
 // fused_cpu.cpp's rotary embedding on bfloat16 rows [begin, end) of q and k, in place: x * cos and
-// rotate_half(x) * sin each rounded, then their sum.
+// rotate_half(x) * sin each rounded, then their sum, over the first R of each head's D values.
 static void rotary_bf16_rows(unsigned short* q, long qs, unsigned short* k, long ks, const unsigned short* cos,
-                             const unsigned short* sin, long begin, long end, int hq, int hk, int D) {
-  const int half = D / 2;
+                             const unsigned short* sin, long begin, long end, int hq, int hk, int D, int R) {
+  const int half = R / 2;
   for (long t = begin; t < end; t++) {
-    const unsigned short* c = cos + t * D;
-    const unsigned short* s = sin + t * D;
+    const unsigned short* c = cos + t * R;
+    const unsigned short* s = sin + t * R;
     for (int h = 0; h < hq + hk; h++) {
       unsigned short* x = h < hq ? q + t * qs + h * D : k + t * ks + (h - hq) * D;
       int i = 0;

@@ -130,7 +130,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    """The rotary embedding of x's leading cos.shape[-1] dims; the others pass through (a partial embedding)."""
+    dims = cos.shape[-1]
+    if dims < x.shape[-1]:
+        return torch.cat((_apply_rotary(x[..., :dims], cos, sin), x[..., dims:]), dim=-1)
+    half = dims // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -339,6 +343,8 @@ class LlamaForCausalLM(nn.Module):
     def _missing(params, loaded, fused) -> list[str]:
         missing = []
         for target in params:
+            if target in loaded:  # whole, fused in the checkpoint already (Phi-3)
+                continue
             slices = {f"{target}[{offset}]" for ours, offset, _ in fused.values() if f".{ours}." in f".{target}"}
             needed = slices or {target}
             missing.extend(sorted(needed - loaded))

@@ -35,14 +35,18 @@ def assert_within_bf16_steps(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert (got == expected).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("rotary_fraction", [1, 0.75, 0.5], ids=["full", "three-quarters", "half"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim", [(1, 9, 3, 64), (37, 4, 1, 128), (300, 6, 6, 16)])
 def test_rotary_equals_torch_bit_for_bit_in_place_in_the_projection_output(ops, isa, num_tokens, num_heads,
-                                                                            num_kv_heads, head_dim, dtype):
+                                                                            num_kv_heads, head_dim, dtype,
+                                                                            rotary_fraction):
+    # A partial embedding (Phi-3's partial_rotary_factor) turns the leading dims of each head only.
     torch.manual_seed(num_tokens)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size).to(dtype)
-    table = torch.randn(num_tokens, 1, head_dim).to(dtype), torch.randn(num_tokens, 1, head_dim).to(dtype)
+    rotary_dim = int(head_dim * rotary_fraction)
+    table = torch.randn(num_tokens, 1, rotary_dim).to(dtype), torch.randn(num_tokens, 1, rotary_dim).to(dtype)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     expected_q = _apply_rotary(q.view(num_tokens, num_heads, head_dim), *table).reshape(num_tokens, -1)
     expected_k = _apply_rotary(k.view(num_tokens, num_kv_heads, head_dim), *table).reshape(num_tokens, -1)

@@ -64,6 +64,15 @@ def test_sliding_windows_are_read_per_layer_as_transformers_applies_them():
         windows("gemma3", layer_types=["chunked_attention", "full_attention"])
 
 
+def test_phi3_turns_part_of_each_head_and_serves_longrope_within_its_original_context():
+    phi3 = ModelArchitecture.from_hf_config(tiny_hf_config("phi3"))
+    assert (phi3.rotary_dim, phi3.head_dim, phi3.layer_windows) == (8, 16, (48, 48))
+    assert phi3.max_model_len == 256  # original_max_position_embeddings, not max_position_embeddings (512)
+    assert ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=100).max_model_len == 100
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 256\] \(LongRoPE"):
+        ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=300)
+
+
 def test_unknown_architecture_is_refused(tmp_path):
     write_tiny_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

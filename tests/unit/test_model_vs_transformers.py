@@ -16,7 +16,8 @@ TOLERANCE = 1e-4
 BLOCK_SIZE = 8
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "mistral", "llama3-rope"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "mistral", "phi3",
+                                             "llama3-rope"])
 def tiny_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return path, write_tiny_model(request.param, path)
@@ -110,3 +111,21 @@ def test_bfloat16_logits_stay_within_bf16_tolerance_of_transformers(tiny_model):
         reference = expected[start - 1]
         scale = reference.abs().max().item()
         assert (logits - reference).abs().max().item() < 0.02 * scale + 1e-2
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gemma3"])
+def test_torch_backend_and_unfused_rotary_match_transformers(kind, tmp_path):
+    # The torch attention backend (sliding windows through its masks) and the model's own rotary embedding
+    # (partial for Phi-3), which the CPU kernels' fused path otherwise replaces.
+    hf_model = write_tiny_model(kind, tmp_path)
+    runner = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32", attention_backend="torch"),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
+    assert runner.model.fused_ops is None
+    driver = TeacherForcedDriver(runner)
+    tokens = [random.Random(4).randrange(160) for _ in range(130)]
+    expected = reference_logits(hf_model, tokens)
+    start = 0
+    for n in (50, 1, 33, 45, 1):
+        logits = runner.step_logits(ExecuteStep([driver.request("r", tokens, start, n)]))["r"]
+        start += n
+        assert (logits - expected[start - 1]).abs().max().item() < TOLERANCE, start
