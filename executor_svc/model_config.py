@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     # Gemma 3's text model: norms around each sublayer too, weights used as 1 + w, GELU, a rotary table per
     # layer type (sliding or full attention).
     "gemma3_text": None,
+    # Gemma 2: Gemma 3's layers without the q/k norms, one rotary table, and tanh caps on the attention scores
+    # and the logits.
+    "gemma2": None,
     # Phi-3 and Phi-4-mini: q/k/v and gate/up stored fused, as this model code holds them; a partial rotary
     # embedding (partial_rotary_factor) and LongRoPE within the original context.
     "phi3": (False, False),
@@ -73,6 +76,9 @@ class ModelArchitecture:
     # attention; empty where no layer has one.
     layer_windows: tuple[int | None, ...] = ()
     rotary_dim: int = 0  # the leading dims of each head the rotary embedding turns (partial_rotary_factor); 0: all
+    # tanh caps (Gemma 2): scores become c * tanh(scores / c) before the mask, and the logits likewise; None: none.
+    attention_softcap: float | None = None
+    logits_softcap: float | None = None
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -82,7 +88,7 @@ class ModelArchitecture:
                 f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         biases = SUPPORTED_ARCHITECTURES[model_type]
-        gemma = model_type == "gemma3_text"
+        gemma = model_type in ("gemma3_text", "gemma2")
         if biases is None:
             attention_bias = bool(getattr(hf_config, "attention_bias", False))
             biases = (attention_bias, attention_bias)
@@ -143,9 +149,11 @@ class ModelArchitecture:
             logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
             hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu"),
             sandwich_norms=gemma,
-            layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if gemma else (),
+            layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if model_type == "gemma3_text" else (),
             layer_windows=_layer_windows(hf_config),
             rotary_dim=rotary_dim,
+            attention_softcap=_softcap(hf_config, "attn_logit_softcapping"),
+            logits_softcap=_softcap(hf_config, "final_logit_softcapping"),
         )
 
     def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -174,6 +182,13 @@ class ModelArchitecture:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         element = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def _softcap(hf_config, name: str) -> float | None:
+    cap = getattr(hf_config, name, None)
+    if cap is not None and not cap > 0:
+        raise ValueError(f"{name} must be positive, got {cap}")
+    return None if cap is None else float(cap)
 
 
 def _layer_windows(hf_config) -> tuple[int | None, ...]:

@@ -8,8 +8,8 @@ import torch
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -39,6 +39,10 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
         return Gemma3TextConfig(**common, head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True,
                                 layer_types=["sliding_attention", "full_attention"], sliding_window=24,
                                 pad_token_id=None)
+    if kind == "gemma2":  # Gemma 3's layers without q/k norms, caps on the scores and logits tight enough to bend them
+        return Gemma2Config(**common, head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                            sliding_window=24, attn_logit_softcapping=1.5, final_logit_softcapping=4.0,
+                            pad_token_id=None)
     if kind == "mistral":  # a sliding window on every layer, as Mistral 7B v0.1 has
         return MistralConfig(**common, tie_word_embeddings=False, sliding_window=40)
     if kind == "phi3":  # fused q/k/v and gate/up, a sliding window, LongRoPE turning half of each head

@@ -135,9 +135,10 @@ class CpuPagedAttention:
         value_cache: torch.Tensor,
         meta: CpuAttentionMetadata,
         window: int | None = None,  # a sliding window: a query at position p sees the keys at (p - window, p]
+        softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) before the mask
     ) -> torch.Tensor:
         self.ops.write_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         self.ops.paged_attention(out, query, key_cache, value_cache, meta.query_start, meta.context_lens,
-                                 meta.block_tables, self.num_heads, self.scale, window or 0)
+                                 meta.block_tables, self.num_heads, self.scale, window or 0, softcap or 0.0)
         return out

@@ -433,18 +433,20 @@ class CupyPagedAttention:
         value_cache: torch.Tensor,
         meta: CupyAttentionMetadata,
         window: int | None = None,  # a sliding window: a query at position p sees the keys at (p - window, p]
+        softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) before the mask
     ) -> torch.Tensor:
         out = torch.empty((query.shape[0], self.num_heads * self.head_dim), dtype=query.dtype, device=query.device)
-        launches = self.plan_forward(query, key, value, key_cache, value_cache, meta, out, window)
+        launches = self.plan_forward(query, key, value, key_cache, value_cache, meta, out, window, softcap)
         if launches:
             self.launcher(launches, query.device)
         return out
 
     def plan_forward(self, query, key, value, key_cache, value_cache, meta: CupyAttentionMetadata, out,
-                     window: int | None = None) -> list[Launch]:
+                     window: int | None = None, softcap: float | None = None) -> list[Launch]:
         """The kernel launches of one forward, after checking every tensor they touch."""
         self._check_inputs(query, key, value, key_cache, value_cache, meta, out)
         _check(window is None or window >= 1, f"window must be at least 1, got {window}")
+        _check(softcap is None or softcap > 0, f"softcap must be positive, got {softcap}")
         num_tokens = query.shape[0]
         if num_tokens == 0:
             return []
@@ -455,6 +457,8 @@ class CupyPagedAttention:
         block_size_log2 = i32(meta.block_size.bit_length() - 1)
         scale_log2 = f32(self.scale * LOG2_E)
         window_arg = i32(NO_WINDOW if window is None else min(window, NO_WINDOW))
+        # The kernels' scores are in log2 units: c * tanh(s / c) there is c' * tanh(s' / c') with c' = c * log2(e).
+        softcap_log2 = f32(0.0 if softcap is None else softcap * LOG2_E)
         q_stride = i64(query.stride(0))
         stride = meta.table_stride
         launches = []
@@ -473,7 +477,7 @@ class CupyPagedAttention:
                 f"paged_attention_rows_{suffix}_d{d}", (num_tokens, h, 1), (ROWS_THREADS, 1, 1), 0,
                 (out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  meta.block_tables.data_ptr(), meta.row_seq.data_ptr(), meta.row_keys.data_ptr(),
-                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2, window_arg),
+                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2, window_arg, softcap_log2),
             ))
             return launches
 
@@ -483,7 +487,7 @@ class CupyPagedAttention:
                 prefill_smem_bytes(d),
                 (out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                  meta.block_tables.data_ptr(), meta.prefill_seqs.data_ptr(), meta.prefill_work.data_ptr(),
-                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2, window_arg),
+                 i32(h), i32(kvh), block_size_log2, i32(stride), q_stride, scale_log2, window_arg, softcap_log2),
             ))
         if meta.num_decodes:
             parts = meta.decode_partitions
@@ -497,7 +501,7 @@ class CupyPagedAttention:
                 (DECODE_THREADS, 1, 1), decode_smem_bytes(d),
                 (out.data_ptr(), *workspace, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables,
                  meta.decode_context_lens.data_ptr(), i32(h), i32(kvh), block_size_log2, i32(stride), q_stride,
-                 i32(meta.num_prefill_tokens), i32(meta.decode_partition_size), i32(parts), scale_log2, window_arg),
+                 i32(meta.num_prefill_tokens), i32(meta.decode_partition_size), i32(parts), scale_log2, window_arg, softcap_log2),
             ))
         return launches
 

@@ -122,6 +122,7 @@ class TorchPagedAttention:
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         window: int | None = None,  # a sliding window: a query at position p sees the keys at (p - window, p]
+        softcap: float | None = None,  # scores become softcap * tanh(scores / softcap) before the mask
     ) -> torch.Tensor:
         num_tokens = query.shape[0]
         q = query.view(num_tokens, self.num_heads, self.head_dim)
@@ -147,22 +148,26 @@ class TorchPagedAttention:
             for tile in range(seg.query_start, seg.query_end, QUERY_TILE):
                 tile_end = min(tile + QUERY_TILE, seg.query_end)
                 bias = seg_bias[tile - seg.query_start : tile_end - seg.query_start]
-                out[tile:tile_end] = self._prefill_tile(q[tile:tile_end], keys, values, bias)
+                out[tile:tile_end] = self._prefill_tile(q[tile:tile_end], keys, values, bias, softcap)
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.block_tables.shape[0])
-            out[rows] = self._decode(q[rows], key_cache, value_cache, group, group.bias_for(window))
+            out[rows] = self._decode(q[rows], key_cache, value_cache, group, group.bias_for(window), softcap)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _prefill_tile(self, q, keys, values, bias) -> torch.Tensor:
+    def _scores(self, scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+        scores = scores * self.scale
+        return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+    def _prefill_tile(self, q, keys, values, bias, softcap) -> torch.Tensor:
         n, kvh, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         # [n, H, D] -> [KVH, G*n, D]: query head h = kv_head * G + g, as transformers' repeat_kv has it.
         grouped = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
         scores = torch.matmul(grouped, keys.transpose(1, 2)).float().view(kvh, g, n, -1)
-        probs = (scores * self.scale + bias).softmax(-1).to(q.dtype).view(kvh, g * n, -1)
+        probs = (self._scores(scores, softcap) + bias).softmax(-1).to(q.dtype).view(kvh, g * n, -1)
         out = torch.matmul(probs, values)  # [KVH, G*n, D]
         return out.view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, self.num_heads, d)
 
-    def _decode(self, q, key_cache, value_cache, group: DecodeGroup, bias: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q, key_cache, value_cache, group: DecodeGroup, bias: torch.Tensor, softcap) -> torch.Tensor:
         rows, max_blocks = group.block_tables.shape
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         block_size = key_cache.shape[2]
@@ -171,7 +176,7 @@ class TorchPagedAttention:
         # Scores block by block: the query broadcasts over blocks, so the gathered tiles are used in place.
         scores = torch.matmul(q.view(rows, 1, kvh, g, d), keys.transpose(-1, -2)).float()  # [rows, blocks, KVH, G, bs]
         scores = scores.permute(0, 2, 3, 1, 4).reshape(rows, kvh, g, max_blocks * block_size)
-        probs = (scores * self.scale + bias).softmax(-1).to(q.dtype)
+        probs = (self._scores(scores, softcap) + bias).softmax(-1).to(q.dtype)
         probs = probs.view(rows, kvh, g, max_blocks, block_size).permute(0, 3, 1, 2, 4)
         out = torch.matmul(probs, values).sum(1)  # [rows, KVH, G, D]
         return out.reshape(rows, self.num_heads, d)

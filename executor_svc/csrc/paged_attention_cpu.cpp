@@ -42,6 +42,7 @@ struct Args {
   int num_heads, num_kv_heads, head_dim, block_size;
   int window;  // a query at position p sees the keys at (p - window, p]; NO_WINDOW: all up to p
   float scale;
+  float softcap;  // scores become softcap * tanh(scores / softcap) (before the mask); 0: as they are
   bool bf16;
 };
 
@@ -170,10 +171,11 @@ void check_cache(const at::Tensor& cache, const at::Tensor& other) {
 // query_start [S + 1], context_lens [S], block_tables [S, max_blocks] (int32): sequence s owns rows
 // [query_start[s], query_start[s + 1]), its queries are its last n positions of context_lens[s], and a query
 // at position p sees the keys at positions <= p, and with a sliding window (window > 0) only the last `window`
-// of them: (p - window, p].
+// of them: (p - window, p]. With softcap > 0 the scaled scores s become softcap * tanh(s / softcap).
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& query_start, const at::Tensor& context_lens,
-                     const at::Tensor& block_tables, int64_t num_heads, double scale, int64_t window) {
+                     const at::Tensor& block_tables, int64_t num_heads, double scale, int64_t window,
+                     double softcap) {
   check_cache(key_cache, value_cache);
   const int kvh = key_cache.size(1), D = key_cache.size(3);
   TORCH_CHECK(num_heads % kvh == 0, "num_heads must be a multiple of num_kv_heads");
@@ -192,7 +194,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   Args a{query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(), kZeros,
          query_start.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
          query.stride(0), out.stride(0), block_tables.stride(0), (int)num_heads, kvh, D, (int)key_cache.size(2),
-         window > 0 && window < NO_WINDOW ? (int)window : NO_WINDOW, (float)scale,
+         window > 0 && window < NO_WINDOW ? (int)window : NO_WINDOW, (float)scale, softcap > 0 ? (float)softcap : 0.f,
          key_cache.scalar_type() == at::kBFloat16};
 
   std::vector<WorkItem> items;
@@ -364,7 +366,7 @@ void rotary_bf16_rows(uint16_t* q, long q_stride, uint16_t* k, long k_stride, co
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor query_start, "
-        "Tensor context_lens, Tensor block_tables, int num_heads, float scale, int window=0) -> ()");
+        "Tensor context_lens, Tensor block_tables, int num_heads, float scale, int window=0, float softcap=0.) -> ()");
   m.def("write_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
   m.def("silu_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("argmax(Tensor logits) -> Tensor");

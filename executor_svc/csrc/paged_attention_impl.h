@@ -196,6 +196,24 @@ static inline V vexp_nonpositive(V x) {
   return times_pow2(p, n);
 }
 
+// tanh(x) to within 2 ulp (Cephes' tanhf): an odd polynomial below |x| = 0.625, where 1 - 2 / (e^2|x| + 1) would
+// cancel, that form above it (exp saturates for large |x|, giving +-1).
+static inline V vtanh(V x) {
+  const V ax = x < 0.f ? -x : x;
+  const V z = x * x;
+  V p = splat(-5.70498872745e-3f);
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const V small = p * z * x + x;
+  const V big = 1.f - 2.f / (vexp(ax + ax) + 1.f);
+  return ax > 0.625f ? (x < 0.f ? -big : big) : small;
+}
+
+// Scores capped as c * tanh(s / c) (Gemma 2's attention softcapping), -inf (masked) kept.
+static inline V soft_cap(V s, float c) { return s == splat(-__builtin_inff()) ? s : c * vtanh(s * (1.f / c)); }
+
 // Brings a K or V row into L2 (see dot_tile).
 template <typename T>
 static inline void prefetch_row(const T* row, int D) {
@@ -364,7 +382,8 @@ static inline void apply_value_pairs_dot(int D, int nk, const float (*pw)[KEY_TI
 template <typename T, int HEAD_DIM, int NR>
 static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DIM],
                             const unsigned short (*qb)[MAX_HEAD_DIM], float scale, float (*acc)[MAX_HEAD_DIM],
-                            float* m, float* l, const int* pos, int window, const T* const* kp, const T* const* vp,
+                            float* m, float* l, const int* pos, int window, float softcap, const T* const* kp,
+                            const T* const* vp,
                             const T* const* next_kp, const T* const* next_vp, bool prefetch) {
   constexpr int TK = KEY_TILE, KB = dot_keys<NR>(), PV = pv_vecs<NR>();
   static_assert(TK % KB == 0, "a tile is whole key groups");
@@ -410,6 +429,9 @@ static inline void dot_tile(int D, int j0, int nk, const float (*qs)[MAX_HEAD_DI
   // position, or before some row's window, holds -inf scores to zero; a running max that did not move (a row
   // that saw only hidden keys so far included) rescales nothing.
   const bool masked = j0 + TK - 1 > pos[0] || j0 <= pos[NR - 1] - window;  // (a block's rows are in position order)
+  if (softcap > 0.f)
+    for (int r = 0; r < NR; r++)
+      for (int jj = 0; jj < TK; jj += W) store(&pw[r][jj], soft_cap(load(&pw[r][jj]), softcap));
   float m_new[NR], alpha[NR];
   for (int r = 0; r < NR; r++) {
     V mx = load(&pw[r][0]);
@@ -531,17 +553,17 @@ static void attend_dot(const Args& a, const WorkItem& it) {
         const unsigned short (*rows_b)[MAX_HEAD_DIM] = pairs ? qb + r0 : nullptr;
         switch (nr) {
           case 1:
-            dot_tile<T, HEAD_DIM, 1>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            dot_tile<T, HEAD_DIM, 1>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, a.softcap, kp, vp, prefetch_keys, prefetch_values, b == 0);
             break;
           case 2:
-            dot_tile<T, HEAD_DIM, 2>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            dot_tile<T, HEAD_DIM, 2>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, a.softcap, kp, vp, prefetch_keys, prefetch_values, b == 0);
             break;
           case 3:
-            dot_tile<T, HEAD_DIM, 3>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, kp, vp, prefetch_keys, prefetch_values, b == 0);
+            dot_tile<T, HEAD_DIM, 3>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, a.softcap, kp, vp, prefetch_keys, prefetch_values, b == 0);
             break;
           default:
             if constexpr (DOT_ROW_BLOCK >= 4)
-              dot_tile<T, HEAD_DIM, 4>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, kp, vp, prefetch_keys, prefetch_values, b == 0);
+              dot_tile<T, HEAD_DIM, 4>(D, j0, nk, rows_f, rows_b, a.scale, acc + r0, m + r0, l + r0, pos + r0, a.window, a.softcap, kp, vp, prefetch_keys, prefetch_values, b == 0);
         }
         i0 += nr;
       }
@@ -771,6 +793,7 @@ static void attend_rows(const Args& a, const WorkItem& it) {
       V m_new = m[v];
       for (int j = 0; j < nk; j++) {
         V score = load(&pw[j][v * W]);
+        if (a.softcap > 0.f) score = soft_cap(score, a.softcap);
         if (masked) {
           const V key = splat((float)(j0 + j));
           score = (key > pos[v]) | (key <= low[v]) ? splat(-__builtin_inff()) : score;

@@ -109,6 +109,15 @@ PS_DEVICE float fast_exp2(float x) {  // 2^x; exp2(-inf) = +0
 #endif
 }
 
+// Gemma 2's attention softcapping, c * tanh(s / c), in the scores' log2 units (cap_log2 = c * log2(e)); 0: none.
+PS_DEVICE float soft_cap(float s, float cap_log2) {
+#ifndef PAGEDSERVE_EMULATION
+  return cap_log2 > 0.0f ? cap_log2 * tanhf(s / cap_log2) : s;
+#else
+  return cap_log2 > 0.0f ? cap_log2 * __builtin_tanhf(s / cap_log2) : s;
+#endif
+}
+
 PS_DEVICE float shfl_xor(float v, int lane_mask) {
 #ifndef PAGEDSERVE_EMULATION
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);

@@ -44,7 +44,8 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
                             const T* __restrict__ value_cache, const int* __restrict__ block_tables,
                             const int* __restrict__ context_lens, int num_heads, int num_kv_heads,
                             int block_size_log2, int table_stride, i64 q_stride, int q_row_start,
-                            int partition_size, int num_partitions, float scale_log2, int window) {
+                            int partition_size, int num_partitions, float scale_log2, int window,
+                            float softcap_log2) {
   constexpr int LD = D + PS_SMEM_PAD;     // shared-memory row stride, elements
   constexpr int VECS = D / 8;             // 16-byte vectors per head row
   static_assert(sizeof(T) == 2, "tensor-core path: 16-bit elements");
@@ -131,7 +132,7 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
     for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        s[n][i] = (key_base + 8 * n + (i & 1) < part_end) ? s[n][i] * scale_log2 : PS_NEG_INF;
+        s[n][i] = (key_base + 8 * n + (i & 1) < part_end) ? soft_cap(s[n][i] * scale_log2, softcap_log2) : PS_NEG_INF;
 
     online_softmax<D, 2>(s, m, l, acc);
     warp_pv<T, D, 2>(acc, s, sv + (stage * DECODE_TILE + warp_key0) * LD, LD);
@@ -230,10 +231,10 @@ PS_DEVICE void paged_decode(T* __restrict__ out, float* __restrict__ part_out, f
       NAME(T* out, float* part_out, float* part_ml, u32* part_counters, const T* query, const T* key_cache, \
            const T* value_cache, const int* block_tables, const int* context_lens, int num_heads,           \
            int num_kv_heads, int block_size_log2, int table_stride, i64 q_stride, int q_row_start,          \
-           int partition_size, int num_partitions, float scale_log2, int window) {                          \
+           int partition_size, int num_partitions, float scale_log2, int window, float softcap_log2) {      \
     paged_decode<T, D>(out, part_out, part_ml, part_counters, query, key_cache, value_cache, block_tables,  \
                        context_lens, num_heads, num_kv_heads, block_size_log2, table_stride, q_stride,      \
-                       q_row_start, partition_size, num_partitions, scale_log2, window);                    \
+                       q_row_start, partition_size, num_partitions, scale_log2, window, softcap_log2);      \
   }
 
 PS_DECODE(paged_decode_bf16_d64, bf16, 64)
@@ -242,8 +243,9 @@ PS_DECODE(paged_decode_f16_d64, fp16, 64)
 PS_DECODE(paged_decode_f16_d128, fp16, 128)
 // ---------------------------------------------------------------------------------------------------
 // Row-wise attention on CUDA cores, for float32 caches (tests, reference runs): any query row over the
-// first `row_keys[row]` positions of sequence `row_seq[row]` (the last `window` of them). A prefill query at position p is a row with
-// p + 1 keys, a decode row one with its context length, so one launch covers a whole mixed batch.
+// first `row_keys[row]` positions of sequence `row_seq[row]` (the last `window` of them). A prefill query at
+// position p is a row with p + 1 keys, a decode row one with its context length, so one launch covers a whole
+// mixed batch.
 // Grid: (num_rows, num_heads); block: one warp, lane owning elements d = lane + 32 j of the head.
 // Keys are visited in order with an online softmax; the dot product is a warp reduction per key.
 // ---------------------------------------------------------------------------------------------------
@@ -252,7 +254,7 @@ PS_DEVICE void paged_attention_rows(T* __restrict__ out, const T* __restrict__ q
                                     const T* __restrict__ value_cache, const int* __restrict__ block_tables,
                                     const int* __restrict__ row_seq, const int* __restrict__ row_keys,
                                     int num_heads, int num_kv_heads, int block_size_log2, int table_stride,
-                                    i64 q_stride, float scale_log2, int window) {
+                                    i64 q_stride, float scale_log2, int window, float softcap_log2) {
   constexpr int PER_LANE = D / 32;
   const int row = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
   const int kv_head = head / (num_heads / num_kv_heads);
@@ -280,7 +282,7 @@ PS_DEVICE void paged_attention_rows(T* __restrict__ out, const T* __restrict__ q
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) dot += shfl_xor(dot, o);
-    const float s = dot * scale_log2;
+    const float s = soft_cap(dot * scale_log2, softcap_log2);
     const float m_new = fmaxf(m, s);
     const float alpha = fast_exp2(m - m_new);  // 0 on the first key (m = -inf)
     const float p = fast_exp2(s - m_new);
@@ -304,10 +306,10 @@ PS_DEVICE void paged_attention_rows(T* __restrict__ out, const T* __restrict__ q
   extern "C" __global__ void __launch_bounds__(32)                                                          \
       NAME(T* out, const T* query, const T* key_cache, const T* value_cache, const int* block_tables,       \
            const int* row_seq, const int* row_keys, int num_heads, int num_kv_heads, int block_size_log2,    \
-           int table_stride, i64 q_stride, float scale_log2, int window) {                                  \
+           int table_stride, i64 q_stride, float scale_log2, int window, float softcap_log2) {              \
     paged_attention_rows<T, D>(out, query, key_cache, value_cache, block_tables, row_seq, row_keys,         \
                                num_heads, num_kv_heads, block_size_log2, table_stride, q_stride, scale_log2, \
-                               window);                                                                     \
+                               window, softcap_log2);                                                       \
   }
 
 PS_ROWS(paged_attention_rows_f32_d64, float, 64)

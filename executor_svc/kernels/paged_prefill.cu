@@ -16,8 +16,9 @@
 // one matrix, packed row m = i * G + g (query i, head kv_head * G + g), so the K/V tiles of a KV head are
 // read once for all its query heads. Grid: x = work item, y = KV head. A CTA (4 warps) takes packed rows
 // [m0, m0 + 64), 16 per warp, and sweeps keys [key_begin, key_end) in tiles of 64, where key_begin is the
-// first key its first query sees (0 without a window) and key_end one past the position of its last query; cp.async double-buffers the tiles. S = Q K^T and O += P V run on tensor
-// cores (mma.sync m16n8k16, float32 accumulation) with an online softmax in between.
+// first key its first query sees (0 without a window) and key_end one past the position of its last query;
+// cp.async double-buffers the tiles. S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16, float32
+// accumulation) with an online softmax in between.
 #include "common.cuh"
 
 constexpr int PREFILL_WARPS = 4;
@@ -33,7 +34,7 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
                              const T* __restrict__ value_cache, const int* __restrict__ block_tables,
                              const int* __restrict__ seqs, const int* __restrict__ work, int num_heads,
                              int num_kv_heads, int block_size_log2, int table_stride, i64 q_stride,
-                             float scale_log2, int window) {
+                             float scale_log2, int window, float softcap_log2) {
   constexpr int LD = D + PS_SMEM_PAD;
   constexpr int VECS = D / 8;
   static_assert(sizeof(T) == 2, "tensor-core path: 16-bit elements");
@@ -121,7 +122,7 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int key = key_base + 8 * n + (i & 1), pos = row_pos[i >> 1];
-        s[n][i] = (key <= pos && key > pos - window) ? s[n][i] * scale_log2 : PS_NEG_INF;
+        s[n][i] = (key <= pos && key > pos - window) ? soft_cap(s[n][i] * scale_log2, softcap_log2) : PS_NEG_INF;
       }
 
     online_softmax<D, PREFILL_TILE / 8>(s, m, l, acc);
@@ -151,9 +152,10 @@ PS_DEVICE void paged_prefill(T* __restrict__ out, const T* __restrict__ query, c
   extern "C" __global__ void __launch_bounds__(PREFILL_THREADS)                                             \
       NAME(T* out, const T* query, const T* key_cache, const T* value_cache, const int* block_tables,       \
            const int* seqs, const int* work, int num_heads, int num_kv_heads, int block_size_log2,           \
-           int table_stride, i64 q_stride, float scale_log2, int window) {                                  \
+           int table_stride, i64 q_stride, float scale_log2, int window, float softcap_log2) {              \
     paged_prefill<T, D>(out, query, key_cache, value_cache, block_tables, seqs, work, num_heads,            \
-                        num_kv_heads, block_size_log2, table_stride, q_stride, scale_log2, window);         \
+                        num_kv_heads, block_size_log2, table_stride, q_stride, scale_log2, window,          \
+                        softcap_log2);                                                                      \
   }
 
 PS_PREFILL(paged_prefill_bf16_d64, bf16, 64)

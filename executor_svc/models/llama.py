@@ -146,6 +146,7 @@ class Attention(nn.Module):
         self.fused_ops = fused_ops
         self.rotary = rotary
         self.window = window  # sliding window, or None for full attention
+        self.softcap = config.attention_softcap
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -169,7 +170,7 @@ class Attention(nn.Module):
         elif self.rotary:
             q = _apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
             k = _apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.softcap)
         return self.o_proj(out)
 
 
@@ -281,7 +282,11 @@ class LlamaForCausalLM(nn.Module):
             logits = linear(hidden, self.embed_tokens.weight, None, self.fused_ops, self.packed_head)
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
-        return logits.float()
+        logits = logits.float()
+        if self.config.logits_softcap is not None:
+            cap = self.config.logits_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def weight_numel(self) -> int:
         """Weights held: the parameters, a packed layer's as the plain weight it replaced (a tied head's packed copy

@@ -24,7 +24,8 @@ VOCAB = 256
 
 
 def write_model(kind: str, path, seed: int = 0):
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     common = dict(vocab_size=VOCAB, intermediate_size=384, num_hidden_layers=2, max_position_embeddings=1024,
                   eos_token_id=VOCAB - 1, bos_token_id=0)
@@ -49,6 +50,10 @@ def write_model(kind: str, path, seed: int = 0):
                                   head_dim=128, query_pre_attn_scalar=128, tie_word_embeddings=True,
                                   layer_types=["sliding_attention", "full_attention"], sliding_window=40,
                                   pad_token_id=None)
+    elif kind == "gemma2":  # head_dim 64, a window, caps on the scores and the logits tight enough to bend them
+        config = Gemma2Config(**common, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                              query_pre_attn_scalar=64, tie_word_embeddings=True, sliding_window=60,
+                              attn_logit_softcapping=1.5, final_logit_softcapping=4.0, pad_token_id=None)
     elif kind == "phi3":  # 4 heads over 1 KV head, head_dim 64, fused q/k/v and gate/up, half-turned heads, a window
         config = Phi3Config(**common, hidden_size=256, num_attention_heads=4, num_key_value_heads=1,
                             tie_word_embeddings=False, sliding_window=300, pad_token_id=None,
@@ -67,7 +72,7 @@ def write_model(kind: str, path, seed: int = 0):
     model.save_pretrained(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-d128", "qwen3", "gemma3", "phi3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-d128", "qwen3", "gemma3", "gemma2", "phi3"])
 def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_model(request.param, path)

@@ -48,9 +48,11 @@ def paged_attention_reference(
     block_tables: Sequence[Sequence[int]],
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """[T, H, D] float64: each query at position p attends to its sequence's keys at positions <= p (with a
-    sliding window, only those at positions > p - window).
+    sliding window, only those at positions > p - window); with softcap, the scaled scores s become
+    softcap * tanh(s / softcap).
 
     Sequence i's n = query_lens[i] queries sit at positions context_lens[i] - n .. context_lens[i] - 1, so
     one-token rows are decodes over the whole context and longer chunks see the cached context plus their
@@ -70,6 +72,8 @@ def paged_attention_reference(
         values = gather_context(value_cache, table, context_len)[start:, kv_of_head]
         positions = torch.arange(context_len - n, context_len)
         scores = torch.einsum("nhd,khd->hnk", q[row : row + n], keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         key_positions = torch.arange(start, context_len)[None, :]
         hidden = key_positions > positions[:, None]  # [n, ctx]: keys after the query
         if window is not None:
@@ -102,10 +106,12 @@ class PagedProblem:
         self, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, query_lens: Sequence[int],
         cached_lens: Sequence[int], num_prefills: int, dtype: torch.dtype, device: str | torch.device = "cpu",
         seed: int = 0, poison: bool = True, spare_blocks: int = 3, window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.num_prefills, self.dtype, self.window = block_size, num_prefills, dtype, window
+        self.softcap = softcap
         self.query_lens = list(query_lens)
         self.context_lens = [c + n for c, n in zip(cached_lens, query_lens)]
         self.scale = head_dim**-0.5
@@ -159,6 +165,6 @@ class PagedProblem:
         )
         out = paged_attention_reference(
             self.query.cpu(), key_cache, value_cache, self.query_lens, self.context_lens, self.block_tables, self.scale,
-            self.window,
+            self.window, self.softcap,
         )
         return out, key_cache, value_cache

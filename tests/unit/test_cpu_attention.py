@@ -45,7 +45,7 @@ def random_problem(seed: int, *, group: int, head_dim: int, block_size: int, dty
 def run_cpu(p: PagedProblem) -> torch.Tensor:
     backend = CpuPagedAttention(p.num_heads, p.num_kv_heads, p.head_dim, p.scale)
     meta = backend.build_metadata(p.layout(), torch.device("cpu"))
-    return backend.forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, p.window)
+    return backend.forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, p.window, p.softcap)
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -122,6 +122,19 @@ def test_sliding_window_matches_reference_and_reads_nothing_before_it(isa, windo
                      seed=window, window=window)
     expected, _, _ = p.expected()
     assert relative_error(run_cpu(p), expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcapped_scores_match_reference(isa, dtype):
+    # Caps well inside the scores' spread (about N(0, 1) here), so that tanh bends most of them; with a window too.
+    for i, (group, head_dim, block_size, softcap, window) in enumerate(
+            [(3, 64, 16, 0.7, None), (8, 128, 8, 2.0, None), (2, 64, 32, 1.3, 20)]):
+        p = random_problem(500 + i, group=group, head_dim=head_dim, block_size=block_size, dtype=dtype, window=window)
+        p.softcap = softcap
+        expected, _, _ = p.expected()
+        assert relative_error(run_cpu(p), expected) < TOLERANCE[dtype], (group, head_dim, softcap)
+        p.softcap = None
+        assert relative_error(run_cpu(p), expected) > 10 * TOLERANCE[dtype]  # the cap changed the answer
 
 
 def test_long_prefill_over_cached_context_and_wide_decode_batch(isa):

@@ -290,11 +290,14 @@ def test_plan_forward_bf16_launches_and_arguments():
     for launch in launches:
         for arg in launch.args:
             assert isinstance(arg, (int, np.int32, np.int64, np.float32)), (launch.kernel, arg)
-    assert decode.args[-2:] == (np.float32(64**-0.5 * cupy_backend.LOG2_E), cupy_backend.NO_WINDOW)
-    windowed = backend.plan_forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, out, 24)
-    assert [launch.args[-1] for launch in windowed[1:]] == [24, 24]
+    assert decode.args[-3:] == (np.float32(64**-0.5 * cupy_backend.LOG2_E), cupy_backend.NO_WINDOW, 0.0)
+    windowed = backend.plan_forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, out, 24, 50.0)
+    for launch in windowed[1:]:
+        assert launch.args[-2:] == (24, np.float32(50.0 * cupy_backend.LOG2_E))
     with pytest.raises(ValueError, match="window must be at least 1"):
         backend.plan_forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, out, 0)
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        backend.plan_forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, out, None, -1.0)
 
 
 def test_plan_forward_float32_uses_the_row_kernel():
@@ -362,10 +365,10 @@ def test_kernel_source_is_one_translation_unit():
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("window", [None, 5, 24])
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (24, 2.0), (None, 0.8)])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_references_match_torch_backend_on_random_ragged_batches(seed, dtype, tolerance, window):
+def test_references_match_torch_backend_on_random_ragged_batches(seed, dtype, tolerance, window, softcap):
     rng = random.Random(seed)
     num_kv_heads, group = rng.choice([(1, 1), (2, 3), (2, 7), (4, 2)])
     head_dim, block_size = rng.choice([16, 64]), rng.choice([4, 8, 16])
@@ -377,12 +380,12 @@ def test_references_match_torch_backend_on_random_ragged_batches(seed, dtype, to
     # The torch backend multiplies masked probabilities by whatever the cache holds: no NaN poison here.
     p = PagedProblem(num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      block_size=block_size, query_lens=query_lens, cached_lens=cached, num_prefills=num_prefills,
-                     dtype=dtype, seed=seed, poison=False, window=window)
+                     dtype=dtype, seed=seed, poison=False, window=window, softcap=softcap)
     expected, key_cache, value_cache = p.expected()
 
     backend = TorchPagedAttention(p.num_heads, num_kv_heads, head_dim, p.scale)
     meta = backend.build_metadata(p.layout(), torch.device("cpu"))
-    got = backend.forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, window)
+    got = backend.forward(p.query, p.key, p.value, p.key_cache, p.value_cache, meta, window, softcap)
     assert torch.equal(p.key_cache, key_cache) and torch.equal(p.value_cache, value_cache)
     got = got.view(expected.shape).double()
     rel = ((got - expected).norm() / expected.norm()).item()
@@ -508,7 +511,7 @@ def run_emulated(library, problem: PagedProblem, modes=EMULATION_MODES):
                         meta.decode_part_ml, meta.decode_counters) if t is not None and t.numel()]
         launcher.configure(*mode)
         launcher(backend.plan_forward(problem.query, problem.key, problem.value, key_cache, value_cache, meta, out,
-                                      problem.window), None)
+                                      problem.window, problem.softcap), None)
         if meta.decode_counters is not None:  # each row's merging CTA reset its counter for the next launch
             assert not meta.decode_counters.any(), meta.decode_counters
         results.append((out, key_cache, value_cache))
@@ -552,15 +555,20 @@ EMULATED_CASES = {
     "window-prefill-row-tiles-d128": (torch.float16, (7, 1), 128, 16, [70, 1], [170, 199], 1, 37),
     "window-mixed-bs8": (torch.bfloat16, (32, 4), 64, 8, [17, 9, 1, 1], [0, 40, 63, 64], 2, 20),
     "window-f32-rows": (torch.float32, (6, 2), 64, 16, [9, 1, 1], [3, 2, 39], 1, 6),
+    # Softcapped scores (the last element; with a window before it where one is given).
+    "softcap-mixed-split": (torch.bfloat16, (14, 2), 64, 16, [37, 1, 1], [20, 299, 700], 1, None, 1.1),
+    "softcap-window-f16-d128": (torch.float16, (7, 1), 128, 16, [70, 1], [170, 199], 1, 37, 0.9),
+    "softcap-f32-rows": (torch.float32, (6, 2), 64, 16, [9, 1, 1], [3, 2, 39], 1, None, 0.7),
 }
 
 
 @pytest.mark.parametrize("case", list(EMULATED_CASES))
 def test_emulated_kernels_match_reference(emulator_library, case):
-    dtype, (h, kvh), d, bs, query_lens, cached, num_prefills, *window = EMULATED_CASES[case]
+    dtype, (h, kvh), d, bs, query_lens, cached, num_prefills, *extra = EMULATED_CASES[case]
+    window, softcap = (extra + [None, None])[:2]
     meta, kernels = check_emulated(emulator_library, num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=bs,
                                    query_lens=query_lens, cached_lens=cached, num_prefills=num_prefills, dtype=dtype,
-                                   seed=len(case), window=window[0] if window else None)
+                                   seed=len(case), window=window, softcap=softcap)
     if "split" in case:
         assert meta.decode_partitions > 1 and kernels[-1].startswith("paged_decode_")
     if dtype == torch.float32:

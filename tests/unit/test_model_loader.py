@@ -47,6 +47,12 @@ def test_sliding_windows_are_read_per_layer_as_transformers_applies_them():
         return ModelArchitecture.from_hf_config(config)
 
     assert windows("gemma3").layer_windows == (24, None)
+    gemma2 = windows("gemma2")
+    assert (gemma2.layer_windows, gemma2.attention_softcap, gemma2.logits_softcap) == ((24, None), 1.5, 4.0)
+    assert (gemma2.layer_rope, gemma2.sandwich_norms, gemma2.qk_norm) == ((), True, False)
+    assert windows("gemma3").attention_softcap is None
+    with pytest.raises(ValueError, match="attn_logit_softcapping must be positive"):
+        windows("gemma2", attn_logit_softcapping=0.0)
     assert windows("mistral").layer_windows == (40, 40)
     assert windows("mistral", sliding_window=None).layer_windows == ()
     assert windows("llama").layer_windows == ()
