@@ -549,16 +549,13 @@ EMULATED_CASES = {
     "mixed-gqa8-bs8": (torch.bfloat16, (32, 4), 64, 8, [17, 9, 1, 1, 1, 1], [0, 40, 0, 15, 63, 64], 2),
     "f32-rows-mixed": (torch.float32, (6, 2), 64, 16, [9, 1, 1], [3, 2, 39], 1),
     "f32-rows-d128": (torch.float32, (4, 4), 128, 8, [1], [16], 0),
-    # Sliding windows (the last element): the cache holds NaN before each sequence's first window, and the
-    # windows start mid-tile, mid-block and, for the split decode, past its first partition.
+    # Sliding windows and softcapped scores (the last two elements, None for none): the cache holds NaN before
+    # each sequence's first window, and the windows start mid-tile, mid-block and, for the split decode, past
+    # its first partition.
     "window-decode-split": (torch.bfloat16, (14, 2), 64, 16, [1, 1, 1], [4, 299, 700], 0, 333),
-    "window-prefill-row-tiles-d128": (torch.float16, (7, 1), 128, 16, [70, 1], [170, 199], 1, 37),
-    "window-mixed-bs8": (torch.bfloat16, (32, 4), 64, 8, [17, 9, 1, 1], [0, 40, 63, 64], 2, 20),
-    "window-f32-rows": (torch.float32, (6, 2), 64, 16, [9, 1, 1], [3, 2, 39], 1, 6),
-    # Softcapped scores (the last element; with a window before it where one is given).
     "softcap-mixed-split": (torch.bfloat16, (14, 2), 64, 16, [37, 1, 1], [20, 299, 700], 1, None, 1.1),
-    "softcap-window-f16-d128": (torch.float16, (7, 1), 128, 16, [70, 1], [170, 199], 1, 37, 0.9),
-    "softcap-f32-rows": (torch.float32, (6, 2), 64, 16, [9, 1, 1], [3, 2, 39], 1, None, 0.7),
+    "window-softcap-prefill-row-tiles-d128": (torch.float16, (7, 1), 128, 16, [70, 1], [170, 199], 1, 37, 0.9),
+    "window-softcap-f32-rows": (torch.float32, (6, 2), 64, 16, [9, 1, 1], [3, 2, 39], 1, 6, 0.7),
 }
 
 
