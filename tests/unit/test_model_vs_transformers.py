@@ -44,6 +44,15 @@ class TeacherForcedDriver:
         )
 
 
+def logits_by_chunk(runner: ModelRunner, tokens: list[int], chunks) -> list[tuple[int, torch.Tensor]]:
+    """(position, logits) after each chunk of one request fed through the runner step by step."""
+    driver, start, out = TeacherForcedDriver(runner), 0, []
+    for n in chunks:
+        start += n
+        out.append((start - 1, runner.step_logits(ExecuteStep([driver.request("r", tokens, start - n, n)]))["r"]))
+    return out
+
+
 def reference_logits(hf_model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([tokens])).logits[0].float()
@@ -101,14 +110,10 @@ def test_bfloat16_logits_stay_within_bf16_tolerance_of_transformers(tiny_model):
     hf_bf16 = type(hf_model).from_pretrained(path, dtype=torch.bfloat16).eval()
     runner = ModelRunner(ModelConfig(str(path), dtype="bfloat16", device="cpu"),
                          CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
-    driver = TeacherForcedDriver(runner)
     tokens = [random.Random(3).randrange(160) for _ in range(64)]
     expected = reference_logits(hf_bf16, tokens)
-    start = 0
-    for n in (40, 1, 1, 7, 15):
-        logits = runner.step_logits(ExecuteStep([driver.request("r", tokens, start, n)]))["r"]
-        start += n
-        reference = expected[start - 1]
+    for position, logits in logits_by_chunk(runner, tokens, (40, 1, 1, 7, 15)):
+        reference = expected[position]
         scale = reference.abs().max().item()
         assert (logits - reference).abs().max().item() < 0.02 * scale + 1e-2
 
@@ -121,11 +126,7 @@ def test_torch_backend_and_unfused_rotary_match_transformers(kind, tmp_path):
     runner = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32", attention_backend="torch"),
                          CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
     assert runner.model.fused_ops is None
-    driver = TeacherForcedDriver(runner)
     tokens = [random.Random(4).randrange(160) for _ in range(130)]
     expected = reference_logits(hf_model, tokens)
-    start = 0
-    for n in (50, 1, 33, 45, 1):
-        logits = runner.step_logits(ExecuteStep([driver.request("r", tokens, start, n)]))["r"]
-        start += n
-        assert (logits - expected[start - 1]).abs().max().item() < TOLERANCE, start
+    for position, logits in logits_by_chunk(runner, tokens, (50, 1, 33, 45, 1)):
+        assert (logits - expected[position]).abs().max().item() < TOLERANCE, position
