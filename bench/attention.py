@@ -4,7 +4,10 @@ the step's cache write. SmolLM2-135M's attention shape (9 query heads, 3 KV head
 16 tokens on a shuffled pool in huge pages, as the executor allocates it. Writes bench/results/attention.json;
 `paged_vs_gather` is the worse of the two cases' time ratios (kernel / gather path).
 
-    python bench/attention.py [--dtype float32] [--repeats 20] [--isa auto]
+    python bench/attention.py [--dtype float32] [--repeats 20] [--isa auto] [--window N]
+
+With --window, both sides attend through a sliding window of N keys (Mistral, Gemma's local layers): the
+kernels read only the window, the gather path still gathers every block and masks.
 
 To see an AVX2-only machine on a wider one, restrict both sides: `--isa avx2` for the kernels and
 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 for torch.
@@ -55,20 +58,20 @@ def make_case(query_lens: list[int], context_lens: list[int], dtype: torch.dtype
     return layout, (q, k, v), caches
 
 
-def time_backends(layout, qkv, caches, repeats: int) -> dict:
+def time_backends(layout, qkv, caches, repeats: int, window: int | None = None) -> dict:
     """Median seconds per forward of each backend, runs interleaved so that load drifts hit both alike."""
     backends = {"paged": CpuPagedAttention, "gather": TorchPagedAttention}
     runs = {}
     for name, cls in backends.items():
         backend = cls(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
         runs[name] = (backend, backend.build_metadata(layout, torch.device("cpu")))
-    outputs = {name: backend.forward(*qkv, *caches, meta) for name, (backend, meta) in runs.items()}  # warm-up
+    outputs = {name: backend.forward(*qkv, *caches, meta, window) for name, (backend, meta) in runs.items()}  # warm-up
     error = ((outputs["paged"].double() - outputs["gather"].double()).norm() / outputs["gather"].double().norm()).item()
     times = {name: [] for name in runs}
     for _ in range(repeats):
         for name, (backend, meta) in runs.items():
             start = time.perf_counter()
-            backend.forward(*qkv, *caches, meta)
+            backend.forward(*qkv, *caches, meta, window)
             times[name].append(time.perf_counter() - start)
     medians = {name: statistics.median(t) for name, t in times.items()}
     return {"paged_s": medians["paged"], "gather_s": medians["gather"],
@@ -86,6 +89,7 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=512)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--prefill-cached", type=int, default=1024)
+    parser.add_argument("--window", type=int, default=None, help="a sliding window of this many keys")
     parser.add_argument("--name", default="attention", help="result file name under bench/results/")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -99,12 +103,12 @@ def main() -> None:
     metrics = {"shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
                          "block_size": BLOCK_SIZE, "dtype": args.dtype, "isa": CpuPagedAttention.isa(),
                          "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                         "torch_threads": torch.get_num_threads()},
+                         "torch_threads": torch.get_num_threads(), "window": args.window},
                "cases": {"decode": {"batch": args.decode_batch, "context": args.decode_context},
                          "prefill": {"tokens": args.prefill_tokens, "cached": args.prefill_cached}}}
     ratios = {}
     for name, case in cases.items():
-        result = time_backends(*case, args.repeats)
+        result = time_backends(*case, args.repeats, args.window)
         metrics["cases"][name].update(result)
         ratios[f"paged_vs_gather_{name}"] = result["ratio"]
         print(f"{name}: kernel {result['paged_s'] * 1e3:.2f} ms, gather path {result['gather_s'] * 1e3:.2f} ms, "
