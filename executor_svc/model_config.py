@@ -1,6 +1,7 @@
 """What the model code needs to know about a checkpoint, read from its transformers config."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     # embedding (partial_rotary_factor) and LongRoPE within the original context.
     "phi3": (False, False),
 }
+# Vision-language checkpoints whose language model is one of the above (text_config): served as that model alone,
+# text in and text out, their vision tower and projector left unloaded.
+VISION_LANGUAGE_WRAPPERS = frozenset({"gemma3", "mistral3", "llava"})
 # Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
 QK_NORM_ARCHITECTURES = frozenset({"qwen3", "gemma3_text"})
 
@@ -79,13 +83,24 @@ class ModelArchitecture:
     # tanh caps (Gemma 2): scores become c * tanh(scores / c) before the mask, and the logits likewise; None: none.
     attention_softcap: float | None = None
     logits_softcap: float | None = None
+    vision_language_wrapper: str = ""  # the checkpoint's model_type where it wraps this language model, else ""
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
         model_type = hf_config.model_type
+        if model_type in VISION_LANGUAGE_WRAPPERS:
+            language_model = cls.from_hf_config(hf_config.text_config, max_model_len)
+            # The wrapper's own settings rule where it has them, as in transformers: whether the head is tied
+            # to the embeddings, and the EOS ids (some wrappers alone carry them).
+            return dataclasses.replace(
+                language_model, vision_language_wrapper=model_type,
+                tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", language_model.tie_word_embeddings)),
+                eos_token_ids=language_model.eos_token_ids or _eos_ids(getattr(hf_config, "eos_token_id", None)),
+            )
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}, and text "
+                f"only, the language models of {sorted(VISION_LANGUAGE_WRAPPERS)}"
             )
         biases = SUPPORTED_ARCHITECTURES[model_type]
         gemma = model_type in ("gemma3_text", "gemma2")
@@ -119,8 +134,6 @@ class ModelArchitecture:
         attention_scale = getattr(hf_config, "attention_multiplier", None)
         if attention_scale is None:
             attention_scale = (getattr(hf_config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
-        eos = hf_config.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
@@ -137,7 +150,7 @@ class ModelArchitecture:
             qk_norm=model_type in QK_NORM_ARCHITECTURES,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_model_len=max_model_len,
-            eos_token_ids=eos_ids,
+            eos_token_ids=_eos_ids(hf_config.eos_token_id),
             hf_config=hf_config,
             attention_scale=float(attention_scale),
             # SmolLM3's no_rope_layers holds 1 for each layer that does use the rotary embedding.
@@ -182,6 +195,10 @@ class ModelArchitecture:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         element = torch.tensor([], dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def _eos_ids(eos) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
 
 def _softcap(hf_config, name: str) -> float | None:

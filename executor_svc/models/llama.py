@@ -241,6 +241,19 @@ class DecoderLayer(nn.Module):
         return out, residual
 
 
+# A vision-language checkpoint's language-model weights under their names as a causal LM: the hub's layout first,
+# then the one transformers' own modules use.
+LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                           ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def _language_model_weight(name: str) -> str | None:
+    for prefix, replacement in LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None) -> None:
         """fused_ops: the CPU extension's ops (torch.ops.pagedserve_cpu) for the elementwise steps, or None."""
@@ -320,6 +333,10 @@ class LlamaForCausalLM(nn.Module):
         }
         loaded: set[str] = set()
         for name, tensor in weights:
+            if self.config.vision_language_wrapper:
+                name = _language_model_weight(name)
+                if name is None:
+                    continue  # the vision tower or the projector: text-only serving leaves them out
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:

@@ -358,6 +358,9 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    # Images: a vision-language checkpoint serves its language model alone.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": -1}, "max_tokens"),
