@@ -79,24 +79,29 @@ def test_phi3_turns_part_of_each_head_and_serves_longrope_within_its_original_co
         ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=300)
 
 
-@pytest.mark.parametrize("wrapper", ["gemma3", "mistral3"])
+@pytest.mark.parametrize("wrapper", ["gemma3", "mistral3", "llava"])
 def test_a_vision_language_checkpoint_serves_its_language_model_alone(wrapper, tmp_path):
     # The hub's layout (language_model.model.*, vision_tower.*, multi_modal_projector.*), as transformers saves it:
     # the language model's weights load, the rest is left out, and text-only logits are the wrapper's own.
-    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Mistral3Config,
-                              Mistral3ForConditionalGeneration)
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, LlavaConfig, LlavaForConditionalGeneration,
+                              Mistral3Config, Mistral3ForConditionalGeneration)
 
-    text = tiny_hf_config("gemma3" if wrapper == "gemma3" else "mistral").to_dict()
+    text = tiny_hf_config({"gemma3": "gemma3", "mistral3": "mistral", "llava": "llama"}[wrapper]).to_dict()
     if wrapper == "gemma3":
         config = Gemma3Config(text_config=text, mm_tokens_per_image=4, image_token_index=158, boi_token_index=156,
                               eoi_token_index=157, vision_config=dict(hidden_size=32, intermediate_size=64,
                               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
         model = Gemma3ForConditionalGeneration(config)
-    else:
+    elif wrapper == "mistral3":
         config = Mistral3Config(text_config=text, image_token_index=158, spatial_merge_size=1,
                                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                    num_attention_heads=2, head_dim=16, image_size=28, patch_size=14))
         model = Mistral3ForConditionalGeneration(config)
+    else:
+        config = LlavaConfig(text_config=text, image_token_index=158, vision_config=dict(
+            model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32))
+        model = LlavaForConditionalGeneration(config)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -105,7 +110,8 @@ def test_a_vision_language_checkpoint_serves_its_language_model_alone(wrapper, t
     model.eval().save_pretrained(tmp_path)
     runner = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32"),
                          CacheConfig(kv_cache_memory=1 << 20))
-    assert runner.config.vision_language_wrapper == wrapper and runner.config.layer_windows  # the text model's
+    assert runner.config.vision_language_wrapper == wrapper
+    assert bool(runner.config.layer_windows) == (wrapper != "llava")  # the text model's
     tokens = [(7 * i) % 150 for i in range(60)]  # past the window, no image tokens
     with torch.no_grad():
         expected = model(input_ids=torch.tensor([tokens])).logits[0, -1]
