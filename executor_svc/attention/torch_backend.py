@@ -31,6 +31,14 @@ class PrefillSegment:
     bias: torch.Tensor
     windowed_bias: dict[int, torch.Tensor] = field(default_factory=dict)  # the same with a sliding window, by window
 
+    def bias_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.bias
+        if window not in self.windowed_bias:
+            self.windowed_bias[window] = causal_bias(self.query_end - self.query_start, self.context_len,
+                                                     window).to(self.bias.device)
+        return self.windowed_bias[window]
+
 
 @dataclass(slots=True)
 class DecodeGroup:
@@ -139,12 +147,7 @@ class TorchPagedAttention:
             else:
                 keys = _gather(key_cache, seg.block_ids, seg.context_len)
                 values = _gather(value_cache, seg.block_ids, seg.context_len)
-            seg_bias = seg.bias
-            if window is not None:
-                if window not in seg.windowed_bias:
-                    seg.windowed_bias[window] = causal_bias(seg.query_end - seg.query_start, seg.context_len,
-                                                            window).to(seg.bias.device)
-                seg_bias = seg.windowed_bias[window]
+            seg_bias = seg.bias_for(window)
             for tile in range(seg.query_start, seg.query_end, QUERY_TILE):
                 tile_end = min(tile + QUERY_TILE, seg.query_end)
                 bias = seg_bias[tile - seg.query_start : tile_end - seg.query_start]

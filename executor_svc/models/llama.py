@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 3) over a flat batch of
-tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 2 and 3, Phi-3) over a flat
+batch of tokens.
 
 Every token of a step, from every request, prefill chunks and decodes alike, is one row of a
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told
