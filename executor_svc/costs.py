@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from executor_svc.models.llama import SparseMoE
+
 # Rows of the start-up prefill probe: enough for the matrix multiplications to run at their chunked-prefill
 # speed, few enough to cost milliseconds on the CPU.
 PROBE_TOKENS = 128
@@ -31,11 +33,22 @@ def linear_layers_seconds(model, num_tokens: int, num_logits: int, num_layers: i
                           repeats: int = 1) -> float:
     """Median seconds of the model's linear layers alone on random activations: every nn.Linear of its first
     num_layers decoder layers (all by default; q/k/v, o, gate/up and down projections) over num_tokens rows,
-    then the LM head over num_logits rows. No attention, norms or activations. An untimed run comes first."""
+    and a mixture of experts' routed experts over the rows they would get on average (num_tokens times the
+    experts per token, spread evenly), then the LM head over num_logits rows. No attention, norms or
+    activations. An untimed run comes first."""
     weight = model.embed_tokens.weight
     device, dtype = weight.device, weight.dtype
-    linears = [m for layer in list(model.layers)[:num_layers] for m in layer.modules() if isinstance(m, nn.Linear)]
-    inputs = [torch.randn(num_tokens, m.in_features, device=device, dtype=dtype) for m in linears]
+    linears, inputs = [], []
+    for layer in list(model.layers)[:num_layers]:
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                linears.append(module)
+                inputs.append(torch.randn(num_tokens, module.in_features, device=device, dtype=dtype))
+            elif isinstance(module, SparseMoE):
+                moe = module.moe
+                rows = max(1, round(num_tokens * moe.experts_per_token / moe.num_experts))
+                linears.append(module.expert_products)
+                inputs.append(torch.randn(rows, weight.shape[1], device=device, dtype=dtype))
     hidden = torch.randn(num_logits, weight.shape[1], device=device, dtype=dtype)
     times = []
     for _ in range(repeats + 1):

@@ -26,12 +26,18 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     # Phi-3 and Phi-4-mini: q/k/v and gate/up stored fused, as this model code holds them; a partial rotary
     # embedding (partial_rotary_factor) and LongRoPE within the original context.
     "phi3": (False, False),
+    # Mixtures of experts: each token's MLP is the weighted sum of its top-k experts' (SparseMoE in the model).
+    "mixtral": (False, False),
+    "qwen2_moe": None,  # Qwen2's attention (qkv_bias), and a gated shared expert beside the routed ones
+    "qwen3_moe": None,
 }
 # Vision-language checkpoints whose language model is one of the above (text_config): served as that model alone,
 # text in and text out, their vision tower and projector left unloaded.
 VISION_LANGUAGE_WRAPPERS = frozenset({"gemma3", "mistral3", "llava"})
+# Architectures whose sliding_window applies only where use_sliding_window is set.
+SLIDING_WINDOW_FLAGGED = frozenset({"qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen3_moe"})
 # Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
-QK_NORM_ARCHITECTURES = frozenset({"qwen3", "gemma3_text"})
+QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +50,50 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of {sorted(DTYPES)}")
     return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class MixtureOfExperts:
+    """The sparse MLP of a mixture-of-experts model, as transformers routes it: the router's softmax over the
+    experts in float32, each token's top-k of it (rescaled to sum to 1 where norm_topk_prob), and the token's
+    MLP output the sum of those experts' outputs times their weights."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    # Qwen's routers round the weights to the model's dtype before they scale the experts' outputs; Mixtral's
+    # scale them in float32.
+    weights_in_model_dtype: bool
+    layers: frozenset[int]  # the layers whose MLP is sparse; the others keep a dense one of intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (a dense MLP under a sigmoid gate); 0: none
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "MixtureOfExperts | None":
+        model_type = hf_config.model_type
+        if model_type == "mixtral":
+            return cls._checked(cls(
+                num_experts=hf_config.num_local_experts, experts_per_token=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.intermediate_size, norm_topk_prob=True, weights_in_model_dtype=False,
+                layers=frozenset(range(hf_config.num_hidden_layers))))
+        if model_type not in ("qwen2_moe", "qwen3_moe"):
+            return None
+        step, dense = hf_config.decoder_sparse_step, set(getattr(hf_config, "mlp_only_layers", None) or ())
+        if hf_config.num_experts <= 0 or step < 1:
+            raise ValueError(f"{model_type} needs num_experts > 0 and decoder_sparse_step >= 1")
+        return cls._checked(cls(
+            num_experts=hf_config.num_experts, experts_per_token=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.moe_intermediate_size, norm_topk_prob=bool(hf_config.norm_topk_prob),
+            weights_in_model_dtype=True,
+            layers=frozenset(i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0),
+            shared_expert_intermediate_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)))
+
+    def _checked(self) -> "MixtureOfExperts":
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.experts_per_token}")
+        if self.intermediate_size < 1:
+            raise ValueError(f"the experts' intermediate size must be positive, got {self.intermediate_size}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -84,6 +134,7 @@ class ModelArchitecture:
     attention_softcap: float | None = None
     logits_softcap: float | None = None
     vision_language_wrapper: str = ""  # the checkpoint's model_type where it wraps this language model, else ""
+    moe: MixtureOfExperts | None = None  # the sparse MLP of a mixture-of-experts model; None: dense
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -104,7 +155,9 @@ class ModelArchitecture:
             )
         biases = SUPPORTED_ARCHITECTURES[model_type]
         gemma = model_type in ("gemma3_text", "gemma2")
-        if biases is None:
+        if model_type == "qwen2_moe":
+            biases = (bool(getattr(hf_config, "qkv_bias", True)), False)
+        elif biases is None:
             attention_bias = bool(getattr(hf_config, "attention_bias", False))
             biases = (attention_bias, attention_bias)
         num_heads = hf_config.num_attention_heads
@@ -167,6 +220,7 @@ class ModelArchitecture:
             rotary_dim=rotary_dim,
             attention_softcap=_softcap(hf_config, "attn_logit_softcapping"),
             logits_softcap=_softcap(hf_config, "final_logit_softcapping"),
+            moe=MixtureOfExperts.from_hf_config(hf_config),
         )
 
     def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -214,7 +268,7 @@ def _layer_windows(hf_config) -> tuple[int | None, ...]:
     window = getattr(hf_config, "sliding_window", None)
     if window is None:
         return ()
-    if hf_config.model_type in ("qwen2", "qwen3", "smollm3") and not getattr(hf_config, "use_sliding_window", False):
+    if hf_config.model_type in SLIDING_WINDOW_FLAGGED and not getattr(hf_config, "use_sliding_window", False):
         return ()
     if int(window) < 1:
         raise ValueError(f"sliding_window must be at least 1, got {window}")

@@ -507,9 +507,11 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _capture_decode_graphs(self) -> None:
-        if self.enforce_eager or self.device.type != "cuda" or self.attention_backend_name != "cupy":
-            why = ("enforce_eager" if self.enforce_eager else f"device {self.device}" if self.device.type != "cuda"
-                   else f"the {self.attention_backend_name} attention backend")
+        why = ("enforce_eager" if self.enforce_eager else f"device {self.device}" if self.device.type != "cuda"
+               else f"the {self.attention_backend_name} attention backend" if self.attention_backend_name != "cupy"
+               # A mixture of experts counts each expert's rows on the host, which a graph cannot replay.
+               else "a mixture of experts" if self.config.moe else None)
+        if why:
             logger.info("CUDA graphs off (%s): every step runs eagerly", why)
             return
         if not self.cuda_graph_batch_sizes:

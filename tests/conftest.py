@@ -8,8 +8,8 @@ import torch
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -50,6 +50,15 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
                           original_max_position_embeddings=256, rope_parameters={
                               "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                               "short_factor": [1.0, 1.3, 2.0, 3.5], "long_factor": [2.0, 4.0, 8.0, 16.0]})
+    if kind == "mixtral":  # 2 of 4 experts a token, their weights renormalised
+        return MixtralConfig(**common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2)
+    if kind == "qwen2_moe":  # 3 of 6 experts unrenormalised, a gated shared expert; layer 0 dense
+        return Qwen2MoeConfig(**common, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
+                              moe_intermediate_size=48, shared_expert_intermediate_size=80, norm_topk_prob=False,
+                              mlp_only_layers=[0])
+    if kind == "qwen3_moe":  # 2 of 8 experts renormalised, q/k norms; layer 0 dense by decoder_sparse_step
+        return Qwen3MoeConfig(**common, head_dim=32, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=40, norm_topk_prob=True, decoder_sparse_step=2)
     raise ValueError(kind)
 
 
@@ -65,6 +74,8 @@ def write_tiny_model(kind: str, path, seed: int = 0, **config_overrides):
                 param.normal_(0, 0.5)
             if name.endswith("norm.weight"):  # ones (Gemma's: zeros) at init: so that a swapped one shows
                 param.normal_(1, 0.5)
+            if ".mlp.gate." in name or "expert" in name:  # routers and experts loud enough that a wrong pick shows
+                param.mul_(10)
     model.save_pretrained(path)
     return model
 

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 2 and 3, Phi-3) over a flat
-batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 2 and 3, Phi-3, and the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a flat batch of tokens.
 
 Every token of a step, from every request, prefill chunks and decodes alike, is one row of a
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told
@@ -16,6 +16,7 @@ the reorder F.linear does on every call.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -174,34 +175,101 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+def gated_activation(gate_up: torch.Tensor, intermediate_size: int, gelu: bool, fused_ops,
+                     in_place: bool) -> torch.Tensor:
+    """act(gate) * up of gate_up [T, 2I] = (gate, up): SiLU or GELU (tanh approximation)."""
+    if gelu:
+        gate, up = gate_up.split(intermediate_size, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+    if fused_ops is not None and gate_up.dtype in FUSED_DTYPES:
+        # In place, the result goes over the gate half (each element read before it is written): no new [T, I]
+        # tensor to fault in, and its lines are the ones just read. A product that would copy strided rows
+        # (in_place False) gets a dense tensor instead.
+        activated = (gate_up[:, :intermediate_size] if in_place
+                     else gate_up.new_empty(gate_up.shape[0], intermediate_size))
+        fused_ops.silu_mul(activated, gate_up)
+        return activated
+    gate, up = gate_up.split(intermediate_size, dim=-1)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
-    def __init__(self, config: ModelArchitecture, fused_ops=None) -> None:
+    def __init__(self, config: ModelArchitecture, fused_ops=None, intermediate_size: int | None = None) -> None:
+        """intermediate_size: where it is not the config's (a mixture of experts' shared expert)."""
         super().__init__()
         self.fused_ops = fused_ops
-        self.intermediate_size = config.intermediate_size
-        if config.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"activation {config.hidden_act!r} is not supported; silu or gelu_pytorch_tanh")
-        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, fused_ops)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, fused_ops)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gelu = _gelu(config)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, config.mlp_bias, fused_ops)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, config.mlp_bias, fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.gelu:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-        if self.fused_ops is not None and gate_up.dtype in FUSED_DTYPES:
-            # Where the down projection reads strided rows in place, the result goes over the gate half (each
-            # element read before it is written): no new [T, I] tensor to fault in, and its lines are the ones
-            # just read. Otherwise it gets a dense tensor rather than a copy made inside the product.
-            if self.down_proj.reads_strided_rows:
-                activated = gate_up[:, : self.intermediate_size]
-            else:
-                activated = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
-            self.fused_ops.silu_mul(activated, gate_up)
-            return self.down_proj(activated)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        activated = gated_activation(self.gate_up_proj(x), self.intermediate_size, self.gelu, self.fused_ops,
+                                     in_place=self.down_proj.reads_strided_rows)
+        return self.down_proj(activated)
+
+
+def _gelu(config: ModelArchitecture) -> bool:
+    if config.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+        raise ValueError(f"activation {config.hidden_act!r} is not supported; silu or gelu_pytorch_tanh")
+    return config.hidden_act == "gelu_pytorch_tanh"
+
+
+class SparseMoE(nn.Module):
+    """A mixture of experts' MLP (MixtureOfExperts): the router's top-k experts of each token, each expert's
+    gated MLP over the rows routed to it, their outputs scaled by the routing weights and summed per token in
+    ascending expert order, as transformers sums them; plus Qwen2-MoE's shared expert under its sigmoid gate.
+    The experts' weights are held stacked, [E, 2I, H] and [E, H, I], as transformers holds them."""
+
+    def __init__(self, config: ModelArchitecture, fused_ops=None) -> None:
+        super().__init__()
+        moe = config.moe
+        self.moe, self.fused_ops, self.gelu = moe, fused_ops, _gelu(config)
+        hidden, inter = config.hidden_size, moe.intermediate_size
+        self.gate = Linear(hidden, moe.num_experts, False, fused_ops)  # the router
+        self.experts_gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden))
+        self.experts_down = nn.Parameter(torch.empty(moe.num_experts, hidden, inter))
+        shared = moe.shared_expert_intermediate_size
+        self.shared_expert = MLP(config, fused_ops, shared) if shared else None
+        self.shared_expert_gate = Linear(hidden, 1, False, fused_ops) if shared else None
+
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.experts_gate_up[index], None, self.fused_ops)
+        activated = gated_activation(gate_up, self.moe.intermediate_size, self.gelu, self.fused_ops, in_place=True)
+        return linear(activated, self.experts_down[index], None, self.fused_ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        shared = self.shared_expert(x) if self.shared_expert is not None else None
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, moe.experts_per_token, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if moe.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        # The (token, choice) pairs grouped by expert: one sort and one count, which the loop then walks.
+        chosen = experts.flatten()
+        order = torch.argsort(chosen, stable=True)
+        counts = torch.bincount(chosen, minlength=moe.num_experts).tolist()
+        rows, pair_weights = order // moe.experts_per_token, weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for index, count in enumerate(counts):
+            if count:
+                routed = rows[start : start + count]
+                scaled = self.expert(index, x[routed]) * pair_weights[start : start + count, None]
+                out.index_add_(0, routed, scaled.to(out.dtype))
+                start += count
+        if shared is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    def expert_products(self, x: torch.Tensor) -> None:
+        """Every expert's two products over x, as if each got x's rows: the linear layers' part of the routed
+        experts for the cost probes (executor_svc/costs.py)."""
+        for index in range(self.moe.num_experts):
+            gate_up = linear(x, self.experts_gate_up[index], None, self.fused_ops)
+            linear(gate_up[:, : self.moe.intermediate_size], self.experts_down[index], None, self.fused_ops)
 
 
 class DecoderLayer(nn.Module):
@@ -211,7 +279,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, attention_backend, fused_ops, rotary=index not in config.no_rope_layers,
                                    window=config.layer_windows[index] if config.layer_windows else None)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
-        self.mlp = MLP(config, fused_ops)
+        self.mlp = SparseMoE(config, fused_ops) if config.moe and index in config.moe.layers else MLP(config, fused_ops)
         self.residual_multiplier = config.residual_multiplier
         # Gemma's sandwich: post_attention_layernorm normalises the attention's output, pre_feedforward_layernorm
         # is the norm before the MLP (Llama's post_attention_layernorm), post_feedforward_layernorm the MLP's output.
@@ -245,6 +313,12 @@ class DecoderLayer(nn.Module):
 # then the one transformers' own modules use.
 LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                            ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+# One expert's matrix as checkpoints store it: Mixtral's w1/w3/w2 (gate, up, down), Qwen-MoE's by name.
+EXPERT_WEIGHT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+# transformers' own names for the stacked experts (its state_dict) -> ours.
+STACKED_EXPERTS = {".mlp.experts.gate_up_proj": ".mlp.experts_gate_up", ".mlp.experts.down_proj": ".mlp.experts_down"}
 
 
 def _language_model_weight(name: str) -> str | None:
@@ -320,17 +394,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy transformers-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy transformers-named tensors in, fusing q/k/v and gate/up, and stacking experts, as they arrive."""
         params = dict(self.named_parameters())
-        q, kv = self.config.num_heads * self.config.head_dim, self.config.num_kv_heads * self.config.head_dim
-        inter = self.config.intermediate_size
-        fused = {  # transformers name part -> (our name part, row offset, row count)
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
-            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
-        }
         loaded: set[str] = set()
         for name, tensor in weights:
             if self.config.vision_language_wrapper:
@@ -341,33 +406,64 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
-            target = name.removeprefix("model.")
-            rows = None
-            for part, (ours, offset, count) in fused.items():
-                if f".{part}." in target:
-                    target, rows = target.replace(part, ours), (offset, count)
-                    break
+            target, expert, rows = self._destination(name.removeprefix("model."))
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for a {self.config.model_type} model")
-            param = params[target]
-            destination = param if rows is None else param[rows[0] : rows[0] + rows[1]]
+            destination, key = params[target], target
+            if expert is not None:
+                destination, key = destination[expert], f"{key}[{expert}]"
+            if rows is not None:
+                destination, key = destination[rows[0] : rows[0] + rows[1]], f"{key}[{rows[0]}]"
             if destination.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
             destination.copy_(tensor)
             if self.config.sandwich_norms and target.endswith("norm.weight"):
                 destination.add_(1.0)  # Gemma's RMSNorm scales by 1 + w: held as that factor
-            loaded.add(target if rows is None else f"{target}[{rows[0]}]")
-        missing = self._missing(params, loaded, fused)
+            loaded.add(key)
+        missing = [key for target in params if target not in loaded  # whole, fused in the checkpoint already
+                   for key in sorted(self._parts(target) - loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
-    @staticmethod
-    def _missing(params, loaded, fused) -> list[str]:
-        missing = []
-        for target in params:
-            if target in loaded:  # whole, fused in the checkpoint already (Phi-3)
-                continue
-            slices = {f"{target}[{offset}]" for ours, offset, _ in fused.values() if f".{ours}." in f".{target}"}
-            needed = slices or {target}
-            missing.extend(sorted(needed - loaded))
-        return missing
+    def _fused(self) -> dict[str, tuple[str, int, int]]:
+        """transformers name part -> (our fused tensor's name part, row offset, row count)."""
+        config = self.config
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        inter, shared = config.intermediate_size, config.moe.shared_expert_intermediate_size if config.moe else 0
+        return {
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
+            "shared_expert.gate_proj": ("shared_expert.gate_up_proj", 0, shared),
+            "shared_expert.up_proj": ("shared_expert.gate_up_proj", shared, shared),
+        }
+
+    def _destination(self, target: str) -> tuple[str, int | None, tuple[int, int] | None]:
+        """Where a checkpoint tensor goes: (our parameter, its expert or None, its rows (offset, count) or None)."""
+        target = target.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for its sparse MLP
+        expert = EXPERT_WEIGHT.fullmatch(target)
+        if expert:
+            layer, index, kind = expert.groups()
+            inter = self.config.moe.intermediate_size if self.config.moe else 0
+            if kind in ("w2", "down_proj"):
+                return f"{layer}.experts_down", int(index), None
+            return f"{layer}.experts_gate_up", int(index), (0, inter) if kind in ("w1", "gate_proj") else (inter, inter)
+        for theirs, ours in STACKED_EXPERTS.items():  # transformers' own stacked tensors, as they are
+            if target.endswith(theirs):
+                return target.removesuffix(theirs) + ours, None, None
+        for part, (ours, offset, count) in self._fused().items():
+            if f".{part}." in target:
+                return target.replace(part, ours), None, (offset, count)
+        return target, None, None
+
+    def _parts(self, target: str) -> set[str]:
+        """The load keys that together fill our parameter target (load_weights)."""
+        moe = self.config.moe
+        if target.endswith(".experts_gate_up"):
+            return {f"{target}[{e}][{offset}]" for e in range(moe.num_experts) for offset in (0, moe.intermediate_size)}
+        if target.endswith(".experts_down"):
+            return {f"{target}[{e}]" for e in range(moe.num_experts)}
+        slices = {f"{target}[{offset}]" for ours, offset, _ in self._fused().values() if f".{ours}." in f".{target}"}
+        return slices or {target}

@@ -1,6 +1,6 @@
 """The whole model through ModelRunner on CUDA with the CuPy kernels, against transformers on the same GPU.
 
-Random-weight Llama, Qwen2, Qwen3 and Gemma 3 checkpoints are written here (head sizes the kernels implement: 64
+Random-weight Llama, Qwen2, Qwen3, Gemma 2 and 3, Phi-3 and Qwen2-MoE checkpoints are written here (head sizes the kernels implement: 64
 and 128; GQA ratios 2, 4 and 7). bfloat16: logits of every step of a mixed batch (a fresh prompt, a prompt fed in
 chunks, a decoding sequence) within bf16 tolerance of transformers in bf16. float32: greedy tokens equal to
 transformers' choices on the same sequence. The runners capture CUDA graphs, so their decode-only steps
@@ -25,7 +25,7 @@ VOCAB = 256
 
 def write_model(kind: str, path, seed: int = 0):
     from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config)
 
     common = dict(vocab_size=VOCAB, intermediate_size=384, num_hidden_layers=2, max_position_embeddings=1024,
                   eos_token_id=VOCAB - 1, bos_token_id=0)
@@ -59,6 +59,10 @@ def write_model(kind: str, path, seed: int = 0):
                             tie_word_embeddings=False, sliding_window=300, pad_token_id=None,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                              "partial_rotary_factor": 0.5})
+    elif kind == "qwen2_moe":  # head_dim 64, 2 of 8 experts unrenormalised and a gated shared expert; layer 0 dense
+        config = Qwen2MoeConfig(**common, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=128, shared_expert_intermediate_size=256, mlp_only_layers=[0])
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -69,10 +73,13 @@ def write_model(kind: str, path, seed: int = 0):
                 param.normal_(0, 0.5)
             if name.endswith("norm.weight"):  # ones (Gemma's: zeros) at init: so that a swapped one shows
                 param.normal_(1, 0.5)
+            if ".mlp.gate." in name or "expert" in name:  # routers and experts loud enough that a wrong pick shows
+                param.mul_(10)
     model.save_pretrained(path)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-d128", "qwen3", "gemma3", "gemma2", "phi3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-d128", "qwen3", "gemma3", "gemma2", "phi3",
+                                             "qwen2_moe"])
 def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_model(request.param, path)
@@ -80,12 +87,17 @@ def model_dir(request, tmp_path_factory):
 
 
 def cupy_runner(path, dtype: str) -> ModelRunner:
-    """The runner with the CuPy backend; decode steps replay CUDA graphs."""
+    """The runner with the CuPy backend; decode steps replay CUDA graphs (a mixture of experts' run eagerly)."""
     runner = ModelRunner(ModelConfig(str(path), dtype=dtype, device="cuda", attention_backend="cupy"),
                          CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=64 << 20))
     assert runner.attention_backend_name == "cupy" and isinstance(runner.attention, CupyPagedAttention)
     assert all(layer.self_attn.backend is runner.attention for layer in runner.model.layers)
+    assert (runner.decode_graphs is None) == (runner.config.moe is not None)
     return runner
+
+
+def graph_replays(runner: ModelRunner) -> int:
+    return runner.decode_graphs.num_replays if runner.decode_graphs is not None else 0
 
 
 class Driver:
@@ -136,7 +148,7 @@ def test_bfloat16_logits_match_transformers_at_every_step(model_dir):
             ref = expected[name][progress[name] - 1]
             diff = (logits[name] - ref).abs().max().item()
             assert diff < 0.02 * ref.abs().max().item() + 1e-2, f"{name} at position {progress[name] - 1}: {diff}"
-    assert runner.decode_graphs.num_replays == 2  # the steps where every row is one token
+    assert graph_replays(runner) == (0 if runner.config.moe else 2)  # the steps where every row is one token
 
 
 def test_float32_greedy_tokens_match_transformers(model_dir):
@@ -162,4 +174,4 @@ def test_float32_greedy_tokens_match_transformers(model_dir):
         prompt_len = len(prompts[rid])
         choices = full[prompt_len - 1 : len(seq) - 1].argmax(-1).tolist()
         assert choices == seq[prompt_len:], rid
-    assert runner.decode_graphs.num_replays == 24
+    assert graph_replays(runner) == (0 if runner.config.moe else 24)

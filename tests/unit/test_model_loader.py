@@ -79,6 +79,37 @@ def test_phi3_turns_part_of_each_head_and_serves_longrope_within_its_original_co
         ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=300)
 
 
+def test_mixtures_of_experts_are_read_as_transformers_routes_them():
+    mixtral = ModelArchitecture.from_hf_config(tiny_hf_config("mixtral")).moe
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.intermediate_size) == (4, 2, 112)
+    assert (mixtral.norm_topk_prob, mixtral.weights_in_model_dtype, mixtral.layers) == (True, False, {0, 1})
+    qwen2 = ModelArchitecture.from_hf_config(tiny_hf_config("qwen2_moe"))
+    assert (qwen2.moe.layers, qwen2.moe.shared_expert_intermediate_size, qwen2.moe.norm_topk_prob) == ({1}, 80, False)
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.layer_windows) == (True, False, ())
+    qwen3 = ModelArchitecture.from_hf_config(tiny_hf_config("qwen3_moe"))
+    assert (qwen3.moe.layers, qwen3.moe.shared_expert_intermediate_size, qwen3.qk_norm) == ({1}, 0, True)
+    assert ModelArchitecture.from_hf_config(tiny_hf_config("llama")).moe is None
+    config = tiny_hf_config("mixtral")
+    config.num_experts_per_tok = 5
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\], got 5"):
+        ModelArchitecture.from_hf_config(config)
+
+
+def test_experts_load_from_transformers_own_stacked_names_and_a_missing_one_is_named(tmp_path):
+    # Checkpoints store each expert's matrices (experts.N.w1 ...); transformers' state_dict stacks them
+    # (experts.gate_up_proj [E, 2I, H]). Both load to the same model.
+    hf_model = write_tiny_model("qwen2_moe", tmp_path)
+    runner = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32"), CacheConfig(kv_cache_memory=1 << 20))
+    stacked = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32"), CacheConfig(kv_cache_memory=1 << 20))
+    stacked.model.load_weights(hf_model.state_dict().items())
+    tokens = [5, 9, 11, 3, 7, 120, 64]
+    assert torch.equal(last_logits(runner, tokens), last_logits(stacked, tokens))
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.4.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"missing weights: \['layers.1.mlp.experts_gate_up\[4\]\[48\]'\]"):
+        runner.model.load_weights(weights.items())
+
+
 @pytest.mark.parametrize("wrapper", ["gemma3", "mistral3", "llava"])
 def test_a_vision_language_checkpoint_serves_its_language_model_alone(wrapper, tmp_path):
     # The hub's layout (language_model.model.*, vision_tower.*, multi_modal_projector.*), as transformers saves it:
