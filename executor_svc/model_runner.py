@@ -131,8 +131,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaForCausalLM(self.config, self.attention, fused_ops)
         self.model.load_weights(iterate_weights(self.model_dir))
-        self.model.to(self.dtype).eval()
-        self.model.rotary.float()  # RoPE tables stay float32, as transformers keeps them
+        self.model.convert(self.dtype)
+        self.model.eval()
         if fused_ops is not None and self.dtype == torch.bfloat16:
             packed, plain = self.model.pack_bfloat16_linears()
             logger.info("linear layers: %d packed for oneDNN, %d plain", packed, plain)

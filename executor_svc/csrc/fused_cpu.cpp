@@ -15,7 +15,8 @@
 
 // paged_attention_cpu.cpp: the bfloat16 loops, on rows [begin, end).
 void norm_bf16_rows(uint16_t* out, long out_stride, uint16_t* residual, long residual_stride, const uint16_t* x,
-                    long x_stride, const uint16_t* weight, long begin, long end, int H, float eps);
+                    long x_stride, const uint16_t* weight, const float* weight32, long begin, long end, int H,
+                    float eps);
 void rotary_bf16_rows(uint16_t* q, long q_stride, uint16_t* k, long k_stride, const uint16_t* cos,
                       const uint16_t* sin, long begin, long end, int hq, int hk, int D, int R);
 
@@ -36,7 +37,8 @@ void check_rows(const at::Tensor& t, const char* name, at::ScalarType dtype) {
 uint16_t* bits(const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
 
 // out[t] = weight * (h / sqrt(mean(h^2) + eps)) for h = x[t], as LlamaRMSNorm computes it in float32 (in
-// bfloat16, the normalised row rounded before the weight's product); with a residual, h = residual[t] + x[t] is
+// bfloat16, the normalised row rounded before the weight's product; a float32 weight on bfloat16 rows, Gemma's
+// 1 + w, multiplies before the one rounding, as Gemma's norm does); with a residual, h = residual[t] + x[t] is
 // stored into residual first (the decoder's skip connection and the norm after it in one pass, bit for bit
 // what the add and then the norm give).
 void norm_rows(const at::Tensor& out, const at::Tensor* residual, const at::Tensor& x, const at::Tensor& weight,
@@ -46,16 +48,19 @@ void norm_rows(const at::Tensor& out, const at::Tensor* residual, const at::Tens
   check_rows(out, "out", dtype);
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(out.size(0) == T && out.size(1) == H, "out has x's shape");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() && weight.scalar_type() == dtype,
-              "weight is [N] in x's dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
+              (weight.scalar_type() == dtype || weight.scalar_type() == at::kFloat),
+              "weight is [N] in x's dtype or float32");
   if (residual != nullptr) {
     check_rows(*residual, "residual", dtype);
     TORCH_CHECK(residual->size(0) == T && residual->size(1) == H, "residual has x's shape");
   }
   if (dtype == at::kBFloat16) {
     at::parallel_for(0, T, grain(H), [&](int64_t begin, int64_t end) {
+      const bool weight32 = weight.scalar_type() == at::kFloat;
       norm_bf16_rows(bits(out), out.stride(0), residual != nullptr ? bits(*residual) : nullptr,
-                     residual != nullptr ? residual->stride(0) : 0, bits(x), x.stride(0), bits(weight), begin, end,
+                     residual != nullptr ? residual->stride(0) : 0, bits(x), x.stride(0),
+                     weight32 ? nullptr : bits(weight), weight32 ? weight.data_ptr<float>() : nullptr, begin, end,
                      (int)H, (float)eps);
     });
     return;

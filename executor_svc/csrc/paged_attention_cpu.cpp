@@ -354,8 +354,10 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_
 #endif
 
 void norm_bf16_rows(uint16_t* out, long out_stride, uint16_t* residual, long residual_stride, const uint16_t* x,
-                    long x_stride, const uint16_t* weight, long begin, long end, int H, float eps) {
-  PAGED_FOR_ISA(norm_bf16_rows(out, out_stride, residual, residual_stride, x, x_stride, weight, begin, end, H, eps));
+                    long x_stride, const uint16_t* weight, const float* weight32, long begin, long end, int H,
+                    float eps) {
+  PAGED_FOR_ISA(norm_bf16_rows(out, out_stride, residual, residual_stride, x, x_stride, weight, weight32, begin, end,
+                               H, eps));
 }
 
 void rotary_bf16_rows(uint16_t* q, long q_stride, uint16_t* k, long k_stride, const uint16_t* cos,

@@ -914,9 +914,11 @@ static void silu_mul_rows(const T* gu, long gu_stride, T* out, long out_stride, 
 
 // fused_cpu.cpp's RMSNorm (with its skip connection when residual is given) on bfloat16 rows [begin, end):
 // h = residual + x rounded and stored into residual, out = weight * (h * r) with h * r rounded, as torch
-// rounds each operator's result; r = 1 / sqrt(mean(h^2) + eps), the sum of squares in float32 lanes.
+// rounds each operator's result; r = 1 / sqrt(mean(h^2) + eps), the sum of squares in float32 lanes. With a
+// float32 weight (w32, w null: Gemma's 1 + w) out = (h * r) * w32 rounded once, as Gemma's norm computes it.
 static void norm_bf16_rows(unsigned short* out, long os, unsigned short* residual, long rs, const unsigned short* x,
-                           long xs, const unsigned short* w, long begin, long end, int H, float eps) {
+                           long xs, const unsigned short* w, const float* w32, long begin, long end, int H,
+                           float eps) {
   for (long t = begin; t < end; t++) {
     const unsigned short* h = x + t * xs;
     if (residual != nullptr) {
@@ -936,6 +938,11 @@ static void norm_bf16_rows(unsigned short* out, long os, unsigned short* residua
     for (; i < H; i++) sum += to_float(h[i]) * to_float(h[i]);
     const float r = 1.f / __builtin_sqrtf(sum / (float)H + eps);
     unsigned short* o = out + t * os;
+    if (w32 != nullptr) {
+      for (i = 0; i + W <= H; i += W) store(o + i, (load(h + i) * r) * load(w32 + i));
+      for (; i < H; i++) from_float((to_float(h[i]) * r) * w32[i], o + i);
+      continue;
+    }
     for (i = 0; i + W <= H; i += W) store(o + i, load(w + i) * round_bf16(load(h + i) * r));
     for (; i < H; i++) from_float(to_float(w[i]) * round_bf16(to_float(h[i]) * r), o + i);
   }

@@ -113,6 +113,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight.dtype != dtype:  # a float32 factor (Gemma's 1 + w) multiplies before the one rounding
+            return (x32 * self.weight).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -374,6 +376,16 @@ class LlamaForCausalLM(nn.Module):
             cap = self.config.logits_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def convert(self, dtype: torch.dtype) -> None:
+        """The weights to dtype but for what transformers applies in float32: the RoPE tables, and Gemma's norm
+        factors 1 + w (rounded to dtype, each would round twice)."""
+        kept = {module: module.weight.detach().clone() for module in self.modules()
+                if isinstance(module, RMSNorm) and self.config.sandwich_norms}
+        self.to(dtype)
+        self.rotary.float()
+        for module, weight in kept.items():
+            module.weight = nn.Parameter(weight)
 
     def weight_numel(self) -> int:
         """Weights held: the parameters, a packed layer's as the plain weight it replaced (a tied head's packed copy

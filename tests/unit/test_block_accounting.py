@@ -22,7 +22,7 @@ from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 12
-PREFIXES = [[random.Random(i).randrange(EOS) for _ in range(4 * BLOCK_SIZE)] for i in range(3)]
+PREFIXES = [random.Random(i).choices(range(EOS), k=4 * BLOCK_SIZE) for i in range(3)]
 MAX_PROMPT = len(PREFIXES[0]) + 8
 MAX_CONCURRENT = 12
 # A quarter of what MAX_CONCURRENT requests of the longest kind hold at their end.

@@ -674,7 +674,7 @@ def test_emulated_backend_inside_the_model_matches_torch_backend(emulator_librar
             for layer in runner.model.layers:
                 layer.self_attn.backend = backend
         runners[name] = runner
-    tokens = {r: [random.Random(i).randrange(96) for _ in range(60)] for i, r in enumerate(("a", "b"))}
+    tokens = {r: random.Random(i).choices(range(96), k=60) for i, r in enumerate(("a", "b"))}
     free = list(range(runners["torch"].num_blocks))
     random.Random(0).shuffle(free)
     held = {}

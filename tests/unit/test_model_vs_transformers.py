@@ -89,7 +89,7 @@ def test_mixed_batch_logits_match_transformers_at_every_step(tiny_model):
 
 def test_chunked_and_unchunked_prefill_give_the_same_logits(tiny_model):
     path, _ = tiny_model
-    tokens = [random.Random(2).randrange(160) for _ in range(90)]
+    tokens = random.Random(2).choices(range(160), k=90)
     logits = {}
     for chunks in ([90], [1, 7, 16, 33, 33], [33, 16, 7, 1, 33]):
         runner = ModelRunner(ModelConfig(str(path), device="cpu", dtype="float32"),
@@ -105,17 +105,19 @@ def test_chunked_and_unchunked_prefill_give_the_same_logits(tiny_model):
         assert (value - reference).abs().max().item() < 1e-5, chunks
 
 
-def test_bfloat16_logits_stay_within_bf16_tolerance_of_transformers(tiny_model):
+def test_bfloat16_logits_are_about_as_close_to_float32_as_transformers_in_bfloat16(tiny_model):
+    # bfloat16 rounds differently in different code; what must hold is that ours strays from the float32 logits
+    # no further than transformers' own bfloat16 run does, give or take.
     path, hf_model = tiny_model
     hf_bf16 = type(hf_model).from_pretrained(path, dtype=torch.bfloat16).eval()
     runner = ModelRunner(ModelConfig(str(path), dtype="bfloat16", device="cpu"),
                          CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
-    tokens = [random.Random(3).randrange(160) for _ in range(64)]
-    expected = reference_logits(hf_bf16, tokens)
+    tokens = random.Random(3).choices(range(160), k=64)
+    exact, rounded = reference_logits(hf_model, tokens), reference_logits(hf_bf16, tokens)
     for position, logits in logits_by_chunk(runner, tokens, (40, 1, 1, 7, 15)):
-        reference = expected[position]
-        scale = reference.abs().max().item()
-        assert (logits - reference).abs().max().item() < 0.02 * scale + 1e-2
+        ours = (logits - exact[position]).abs().max().item()
+        theirs = (rounded[position] - exact[position]).abs().max().item()
+        assert ours < 2 * theirs + 0.005 * exact[position].abs().max().item(), (position, ours, theirs)
 
 
 @pytest.mark.parametrize("kind", ["phi3", "gemma2"])
@@ -126,7 +128,7 @@ def test_torch_backend_and_unfused_rotary_match_transformers(kind, tmp_path):
     runner = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32", attention_backend="torch"),
                          CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
     assert runner.model.fused_ops is None
-    tokens = [random.Random(4).randrange(160) for _ in range(130)]
+    tokens = random.Random(4).choices(range(160), k=130)
     expected = reference_logits(hf_model, tokens)
     for position, logits in logits_by_chunk(runner, tokens, (50, 1, 33, 45, 1)):
         assert (logits - expected[position]).abs().max().item() < TOLERANCE, position

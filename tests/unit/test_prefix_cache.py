@@ -42,7 +42,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
         self.next_id = 0
-        self.prefixes = [[random.Random(i).randrange(50) for _ in range(12)] for i in range(3)]
+        self.prefixes = [random.Random(i).choices(range(50), k=12) for i in range(3)]
 
     def _write(self, request_id: str, start: int, end: int) -> None:
         table = self.manager.block_ids(request_id)
@@ -186,7 +186,7 @@ def test_warm_request_prefills_only_what_is_not_cached_and_matches_a_cold_run(ti
 
 
 def test_different_salts_share_nothing(llm):
-    prompt = [random.Random(6).randrange(1, 150) for _ in range(40)]
+    prompt = random.Random(6).choices(range(1, 150), k=40)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     [a] = llm.generate([prompt], params, cache_salt="tenant-a")
     hits = llm.block_manager.prefix_hits
