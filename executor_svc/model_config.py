@@ -30,6 +30,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     "mixtral": (False, False),
     "qwen2_moe": None,  # Qwen2's attention (qkv_bias), and a gated shared expert beside the routed ones
     "qwen3_moe": None,
+    "granitemoe": None,  # Granite's multipliers; the router's softmax over each token's top-k logits
+    "granitemoeshared": None,  # and an ungated shared MLP
+    "olmoe": None,  # q/k RMS-normalised over each token's whole projection, not per head
 }
 # Vision-language checkpoints whose language model is one of the above (text_config): served as that model alone,
 # text in and text out, their vision tower and projector left unloaded.
@@ -37,7 +40,9 @@ VISION_LANGUAGE_WRAPPERS = frozenset({"gemma3", "mistral3", "llava"})
 # Architectures whose sliding_window applies only where use_sliding_window is set.
 SLIDING_WINDOW_FLAGGED = frozenset({"qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen3_moe"})
 # Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
-QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe", "gemma3_text"})
+QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "olmoe"})
+# Of those, the ones whose q and k norms take each token's whole projection (weights per head and dimension).
+QK_NORM_OVER_HEADS = frozenset({"olmoe"})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,7 +71,10 @@ class MixtureOfExperts:
     # scale them in float32.
     weights_in_model_dtype: bool
     layers: frozenset[int]  # the layers whose MLP is sparse; the others keep a dense one of intermediate_size
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (a dense MLP under a sigmoid gate); 0: none
+    # Granite MoE's routing: the softmax over each token's top-k logits, rather than the top-k of the softmax.
+    softmax_over_top_k: bool = False
+    shared_expert_intermediate_size: int = 0  # a dense MLP beside the routed experts, on every token; 0: none
+    shared_expert_gated: bool = False  # Qwen2-MoE's: its output scaled by a sigmoid gate of the token
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "MixtureOfExperts | None":
@@ -76,6 +84,17 @@ class MixtureOfExperts:
                 num_experts=hf_config.num_local_experts, experts_per_token=hf_config.num_experts_per_tok,
                 intermediate_size=hf_config.intermediate_size, norm_topk_prob=True, weights_in_model_dtype=False,
                 layers=frozenset(range(hf_config.num_hidden_layers))))
+        if model_type in ("granitemoe", "granitemoeshared"):
+            return cls._checked(cls(
+                num_experts=hf_config.num_local_experts, experts_per_token=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.intermediate_size, norm_topk_prob=False, weights_in_model_dtype=True,
+                layers=frozenset(range(hf_config.num_hidden_layers)), softmax_over_top_k=True,
+                shared_expert_intermediate_size=int(getattr(hf_config, "shared_intermediate_size", 0) or 0)))
+        if model_type == "olmoe":
+            return cls._checked(cls(
+                num_experts=hf_config.num_experts, experts_per_token=hf_config.num_experts_per_tok,
+                intermediate_size=hf_config.intermediate_size, norm_topk_prob=bool(hf_config.norm_topk_prob),
+                weights_in_model_dtype=True, layers=frozenset(range(hf_config.num_hidden_layers))))
         if model_type not in ("qwen2_moe", "qwen3_moe"):
             return None
         step, dense = hf_config.decoder_sparse_step, set(getattr(hf_config, "mlp_only_layers", None) or ())
@@ -86,7 +105,8 @@ class MixtureOfExperts:
             intermediate_size=hf_config.moe_intermediate_size, norm_topk_prob=bool(hf_config.norm_topk_prob),
             weights_in_model_dtype=True,
             layers=frozenset(i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0),
-            shared_expert_intermediate_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)))
+            shared_expert_intermediate_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0),
+            shared_expert_gated=True))
 
     def _checked(self) -> "MixtureOfExperts":
         if not 0 < self.experts_per_token <= self.num_experts:
@@ -135,6 +155,8 @@ class ModelArchitecture:
     logits_softcap: float | None = None
     vision_language_wrapper: str = ""  # the checkpoint's model_type where it wraps this language model, else ""
     moe: MixtureOfExperts | None = None  # the sparse MLP of a mixture-of-experts model; None: dense
+    qk_norm_over_heads: bool = False  # q/k norms over each token's whole projection (OLMoE), not each head
+    qkv_clip: float | None = None  # q, k and v clamped to [-clip, clip] after the norms (OLMoE's clip_qkv)
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -218,9 +240,11 @@ class ModelArchitecture:
             layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if model_type == "gemma3_text" else (),
             layer_windows=_layer_windows(hf_config),
             rotary_dim=rotary_dim,
-            attention_softcap=_softcap(hf_config, "attn_logit_softcapping"),
-            logits_softcap=_softcap(hf_config, "final_logit_softcapping"),
+            attention_softcap=_positive(hf_config, "attn_logit_softcapping"),
+            logits_softcap=_positive(hf_config, "final_logit_softcapping"),
             moe=MixtureOfExperts.from_hf_config(hf_config),
+            qk_norm_over_heads=model_type in QK_NORM_OVER_HEADS,
+            qkv_clip=_positive(hf_config, "clip_qkv"),
         )
 
     def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -255,7 +279,7 @@ def _eos_ids(eos) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
 
 
-def _softcap(hf_config, name: str) -> float | None:
+def _positive(hf_config, name: str) -> float | None:
     cap = getattr(hf_config, name, None)
     if cap is not None and not cap > 0:
         raise ValueError(f"{name} must be positive, got {cap}")

@@ -8,8 +8,9 @@ import torch
 
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -59,6 +60,16 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
     if kind == "qwen3_moe":  # 2 of 8 experts renormalised, q/k norms; layer 0 dense by decoder_sparse_step
         return Qwen3MoeConfig(**common, head_dim=32, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2,
                               moe_intermediate_size=40, norm_topk_prob=True, decoder_sparse_step=2)
+    if kind == "granitemoe":  # Granite's multipliers; a softmax over each token's top 2 of 4 logits
+        return GraniteMoeConfig(**common, tie_word_embeddings=True, num_local_experts=4, num_experts_per_tok=2,
+                                embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.11,
+                                logits_scaling=2.5)
+    if kind == "granitemoeshared":  # and an ungated shared MLP
+        return GraniteMoeSharedConfig(**common, tie_word_embeddings=True, num_local_experts=4, num_experts_per_tok=2,
+                                      shared_intermediate_size=80, residual_multiplier=0.4)
+    if kind == "olmoe":  # q/k norms over the whole projection, q/k/v clipped
+        return OlmoeConfig(**common, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
+                           clip_qkv=1.2, pad_token_id=None)
     raise ValueError(kind)
 
 

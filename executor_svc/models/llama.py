@@ -157,17 +157,27 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias, fused_ops)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias, fused_ops)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused_ops) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, fused_ops) if config.qk_norm else None
+        # Per head (weights per head dimension), or over each token's whole projection (OLMoE).
+        self.qk_norm_over_heads = config.qk_norm_over_heads
+        q_norm_size, k_norm_size = (self.q_size, self.kv_size) if self.qk_norm_over_heads else (self.head_dim,) * 2
+        self.q_norm = RMSNorm(q_norm_size, config.rms_norm_eps, fused_ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, config.rms_norm_eps, fused_ops) if config.qk_norm else None
+        self.qkv_clip = config.qkv_clip
         self.backend = attention_backend
 
     def forward(self, hidden, cos, sin, kv_cache, meta) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_over_heads:
+            q.copy_(self.q_norm(q))  # in place in the projection's output, as below
+            k.copy_(self.k_norm(k))
+        elif self.q_norm is not None:
             # Per head, in place in the projection's output (its rows are strided: the norm runs on a dense copy).
             q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, -1))
             k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, -1))
+        if self.qkv_clip is not None:
+            for t in (q, k, v):
+                t.clamp_(-self.qkv_clip, self.qkv_clip)
         if self.rotary and self.fused_ops is not None and q.dtype in FUSED_DTYPES:
             self.fused_ops.rotary(q, k, cos, sin, self.head_dim)  # in place, in the projection's output
         elif self.rotary:
@@ -220,7 +230,8 @@ def _gelu(config: ModelArchitecture) -> bool:
 class SparseMoE(nn.Module):
     """A mixture of experts' MLP (MixtureOfExperts): the router's top-k experts of each token, each expert's
     gated MLP over the rows routed to it, their outputs scaled by the routing weights and summed per token in
-    ascending expert order, as transformers sums them; plus Qwen2-MoE's shared expert under its sigmoid gate.
+    ascending expert order, as transformers sums them; plus a shared expert on every token (Qwen2-MoE's under a
+    sigmoid gate).
     The experts' weights are held stacked, [E, 2I, H] and [E, H, I], as transformers holds them."""
 
     def __init__(self, config: ModelArchitecture, fused_ops=None) -> None:
@@ -233,7 +244,7 @@ class SparseMoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(moe.num_experts, hidden, inter))
         shared = moe.shared_expert_intermediate_size
         self.shared_expert = MLP(config, fused_ops, shared) if shared else None
-        self.shared_expert_gate = Linear(hidden, 1, False, fused_ops) if shared else None
+        self.shared_expert_gate = Linear(hidden, 1, False, fused_ops) if shared and moe.shared_expert_gated else None
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.experts_gate_up[index], None, self.fused_ops)
@@ -243,8 +254,12 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         shared = self.shared_expert(x) if self.shared_expert is not None else None
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, moe.experts_per_token, dim=-1)
+        if moe.softmax_over_top_k:
+            top_logits, experts = torch.topk(self.gate(x).float(), moe.experts_per_token, dim=-1)
+            weights = torch.softmax(top_logits, dim=-1)
+        else:
+            probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+            weights, experts = torch.topk(probs, moe.experts_per_token, dim=-1)
         if moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if moe.weights_in_model_dtype:
@@ -262,8 +277,10 @@ class SparseMoE(nn.Module):
                 scaled = self.expert(index, x[routed]) * pair_weights[start : start + count, None]
                 out.index_add_(0, routed, scaled.to(out.dtype))
                 start += count
-        if shared is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        elif shared is not None:
+            out = out + shared
         return out
 
     def expert_products(self, x: torch.Tensor) -> None:
@@ -319,8 +336,13 @@ LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language
 
 # One expert's matrix as checkpoints store it: Mixtral's w1/w3/w2 (gate, up, down), Qwen-MoE's by name.
 EXPERT_WEIGHT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
-# transformers' own names for the stacked experts (its state_dict) -> ours.
-STACKED_EXPERTS = {".mlp.experts.gate_up_proj": ".mlp.experts_gate_up", ".mlp.experts.down_proj": ".mlp.experts_down"}
+# Mixture-of-experts tensors that load whole -> ours: the stacked experts as transformers names them (its
+# state_dict), and Granite MoE checkpoints' stacked experts, router and shared MLP (gate and up stored fused).
+WHOLE_MOE_WEIGHTS = {".mlp.experts.gate_up_proj": ".mlp.experts_gate_up", ".mlp.experts.down_proj": ".mlp.experts_down",
+                   ".mlp.input_linear.weight": ".mlp.experts_gate_up", ".mlp.output_linear.weight": ".mlp.experts_down",
+                   ".mlp.router.layer.weight": ".mlp.gate.weight",
+                   ".shared_mlp.input_linear.weight": ".mlp.shared_expert.gate_up_proj.weight",
+                   ".shared_mlp.output_linear.weight": ".mlp.shared_expert.down_proj.weight"}
 
 
 def _language_model_weight(name: str) -> str | None:
@@ -462,7 +484,7 @@ class LlamaForCausalLM(nn.Module):
             if kind in ("w2", "down_proj"):
                 return f"{layer}.experts_down", int(index), None
             return f"{layer}.experts_gate_up", int(index), (0, inter) if kind in ("w1", "gate_proj") else (inter, inter)
-        for theirs, ours in STACKED_EXPERTS.items():  # transformers' own stacked tensors, as they are
+        for theirs, ours in WHOLE_MOE_WEIGHTS.items():
             if target.endswith(theirs):
                 return target.removesuffix(theirs) + ours, None, None
         for part, (ours, offset, count) in self._fused().items():

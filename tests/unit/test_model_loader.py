@@ -88,6 +88,11 @@ def test_mixtures_of_experts_are_read_as_transformers_routes_them():
     assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.layer_windows) == (True, False, ())
     qwen3 = ModelArchitecture.from_hf_config(tiny_hf_config("qwen3_moe"))
     assert (qwen3.moe.layers, qwen3.moe.shared_expert_intermediate_size, qwen3.qk_norm) == ({1}, 0, True)
+    granite = ModelArchitecture.from_hf_config(tiny_hf_config("granitemoeshared")).moe
+    assert (granite.softmax_over_top_k, granite.shared_expert_intermediate_size, granite.shared_expert_gated) == (
+        True, 80, False)
+    olmoe = ModelArchitecture.from_hf_config(tiny_hf_config("olmoe"))
+    assert (olmoe.qk_norm, olmoe.qk_norm_over_heads, olmoe.qkv_clip, olmoe.moe.norm_topk_prob) == (True, True, 1.2, False)
     assert ModelArchitecture.from_hf_config(tiny_hf_config("llama")).moe is None
     config = tiny_hf_config("mixtral")
     config.num_experts_per_tok = 5
