@@ -3,9 +3,11 @@
 whatever the model, its output is a call that parses: the named function's arguments, or a list of
 {"name", "parameters"} objects over the tools offered. "auto" (the model choosing between text and calls, OpenAI's
 default when tools are given) reads the calls from the model's own syntax with a parser the server is started
-with (`--enable-auto-tool-choice --tool-call-parser hermes`), and is refused without one."""
+with (`--enable-auto-tool-choice --tool-call-parser hermes`, or mistral, llama3_json, granite, pythonic), and is
+refused without one."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -88,61 +90,177 @@ def _final_delta(delta: dict, message: dict, finish_reason: str | None) -> tuple
     return delta, finish_reason
 
 
-class HermesToolCalls:
-    """tool_choice "auto" for models that write a call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-    (Hermes, Qwen2.5, Qwen3): the text before the first call is the message's content, the calls follow. Output
-    that does not parse as calls comes back whole as text: nothing the model wrote is dropped."""
+class MarkedToolCalls:
+    """tool_choice "auto" for models that mark their calls in their own syntax: the text before the first call is
+    the message's content, the calls follow. Output that does not parse as calls comes back whole as text:
+    nothing the model wrote is dropped. Subclasses name the markers a call begins with and parse the calls."""
 
-    START, END = "<tool_call>", "</tool_call>"
-    CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+    markers: tuple[str, ...] = ()
+    at_output_start = False  # calls only where the output opens with a marker (the whole output is calls)
     schema = None  # decoded freely: the model chooses
     skip_special_tokens = False  # the call markers are special tokens in some vocabularies
 
+    def parse(self, text: str) -> list[dict] | None:
+        """The calls in text, which begins with a marker; None where they do not parse."""
+        raise NotImplementedError
+
+    def start(self, text: str, output_start: bool = True) -> int:
+        """Where the first call begins in text, -1 where none does; output_start: text opens the output."""
+        if self.at_output_start:
+            rest = text.lstrip()
+            opens = output_start and any(rest.startswith(marker) for marker in self.markers)
+            return len(text) - len(rest) if opens else -1
+        found = [i for i in (text.find(marker) for marker in self.markers) if i >= 0]
+        return min(found, default=-1)
+
+    def undecided(self, text: str, output_start: bool) -> int:
+        """How much of text's end may yet begin a call (held back from the stream until it is known)."""
+        if self.at_output_start:
+            rest = text.lstrip()
+            return len(text) if output_start and any(marker.startswith(rest) for marker in self.markers) else 0
+        return max(partial_suffix(text, marker) for marker in self.markers)
+
     def calls(self, text: str) -> list[dict] | None:
         """The calls in the text, None where it holds none or they do not parse."""
-        if self.START not in text:
-            return None
-        calls = []
-        for match in self.CALL.finditer(text):
-            try:
-                parsed = json.loads(match.group(1))
-            except json.JSONDecodeError:
-                return None
-            if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-                return None
-            arguments = parsed.get("arguments", {})
-            calls.append(tool_call(parsed["name"], arguments if isinstance(arguments, str)
-                                   else json.dumps(arguments, ensure_ascii=False)))
-        return calls
+        start = self.start(text)
+        return None if start < 0 else self.parse(text[start:])
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         calls = self.calls(text)
-        if calls is None:
+        if not calls:
             return {"role": "assistant", "content": text}, finish_reason
-        content = text[: text.index(self.START)].strip()
+        content = text[: self.start(text)].strip()
         message = {"role": "assistant", "content": content or None, "tool_calls": calls}
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
-    def stream(self) -> "HermesToolCallStream":
-        return HermesToolCallStream(self)
+    def stream(self) -> "MarkedToolCallStream":
+        return MarkedToolCallStream(self)
 
 
-class HermesToolCallStream:
-    """Text streams as it comes until a call may be starting (a tail that could begin <tool_call> is held back);
+class HermesToolCalls(MarkedToolCalls):
+    """<tool_call>{"name": ..., "arguments": {...}}</tool_call>, one per call (Hermes, Qwen2.5, Qwen3)."""
+
+    markers = ("<tool_call>",)
+    CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> list[dict] | None:
+        return _calls([_json(match.group(1)) for match in self.CALL.finditer(text)], ("arguments",))
+
+
+class MistralToolCalls(MarkedToolCalls):
+    """[TOOL_CALLS] then a JSON list of {"name", "arguments"} (Mistral 7B v0.3, Nemo, Small 3), or, from
+    tokenizer v11 on, [TOOL_CALLS]name[ARGS]{...} for each call (Mistral Small 3.2, Magistral, Devstral)."""
+
+    markers = ("[TOOL_CALLS]",)
+
+    def parse(self, text: str) -> list[dict] | None:
+        body = text.removeprefix("[TOOL_CALLS]").strip()
+        if body.startswith("["):
+            listed = _json(body)
+            return _calls(listed if isinstance(listed, list) else [None], ("arguments",))
+        calls = []
+        for part in text.split("[TOOL_CALLS]")[1:]:
+            name, marked, arguments = part.partition("[ARGS]")
+            calls.append({"name": name.strip(), "arguments": _json(arguments)} if marked else None)
+        return _calls(calls, ("arguments",))
+
+
+class Llama3JsonToolCalls(MarkedToolCalls):
+    """Llama 3.1-3.3's JSON calls: the output is {"name": ..., "parameters": {...}}, calls separated by ";",
+    after an optional <|python_tag|>."""
+
+    markers = ("<|python_tag|>", "{")
+    at_output_start = True
+
+    def parse(self, text: str) -> list[dict] | None:
+        body, decoder, objects, at = text.strip().removeprefix("<|python_tag|>").strip(), json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                parsed, at = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return None
+            objects.append(parsed)
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+        return _calls(objects, ("parameters", "arguments"))
+
+
+class GraniteToolCalls(MarkedToolCalls):
+    """<|tool_call|> then a JSON list of {"name", "arguments"} (Granite 3)."""
+
+    markers = ("<|tool_call|>",)
+
+    def parse(self, text: str) -> list[dict] | None:
+        listed = _json(text.removeprefix("<|tool_call|>"))
+        return _calls(listed if isinstance(listed, list) else [None], ("arguments",))
+
+
+class PythonicToolCalls(MarkedToolCalls):
+    """The output is a Python list of calls with keyword arguments, [get_weather(city="Oslo"), get_time()]
+    (Llama 3.2 and 4, and others prompted so): arguments are Python literals."""
+
+    markers = ("[",)
+    at_output_start = True
+
+    def parse(self, text: str) -> list[dict] | None:
+        try:
+            tree = ast.parse(text.strip(), mode="eval").body
+            if not isinstance(tree, ast.List) or not all(
+                    isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute)) and not c.args
+                    for c in tree.elts):
+                return None
+            calls = [{"name": ast.unparse(c.func), "arguments": {k.arg: ast.literal_eval(k.value) for k in c.keywords}}
+                     for c in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not Python, or not literals
+            return None
+        if any(None in call["arguments"] for call in calls):
+            return None
+        return _calls(calls, ("arguments",))
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _calls(objects: list, argument_keys: tuple[str, ...]) -> list[dict] | None:
+    """OpenAI's calls from {"name": ..., <an argument key>: {...}} objects, None where one is not such an object
+    (arguments as a JSON string are passed on as they are; none given are {})."""
+    calls = []
+    for parsed in objects:
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or not parsed["name"]:
+            return None
+        arguments = next((parsed[key] for key in argument_keys if key in parsed), {})
+        if not isinstance(arguments, (dict, str)):  # OpenAI's arguments are an object (or its JSON text)
+            return None
+        try:
+            encoded = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        except (TypeError, ValueError):  # a Python literal JSON cannot hold (a set, bytes, a complex number)
+            return None
+        calls.append(tool_call(parsed["name"], encoded))
+    return calls or None
+
+
+class MarkedToolCallStream:
+    """Text streams as it comes until a call may be starting (a tail that could begin a marker is held back);
     from the first call on, the rest is held and comes with the choice's last chunk, as calls where it parses,
     else as the text it is."""
 
-    def __init__(self, plan: HermesToolCalls) -> None:
+    def __init__(self, plan: MarkedToolCalls) -> None:
         self.plan = plan
         self.held: dict[int, str] = {}  # by choice: text not yet sent
         self.in_call: set[int] = set()
+        self.sent: set[int] = set()  # choices that have sent text (a call can no longer open their output)
 
     def delta(self, index: int, text: str, first: bool, finish_reason: str | None) -> tuple[dict, str | None]:
         delta: dict = {"role": "assistant"} if first else {}
         held = self.held.pop(index, "") + text
+        output_start = index not in self.sent
         if finish_reason is not None:
+            start = 0 if index in self.in_call else self.plan.start(held, output_start)  # held opens with the call
             self.in_call.discard(index)
-            start = held.find(self.plan.START)
+            self.sent.discard(index)
             if start >= 0:
                 message, call_finish = self.plan.message(held[start:], finish_reason)
                 if "tool_calls" in message:
@@ -155,15 +273,16 @@ class HermesToolCallStream:
         if index in self.in_call:
             self.held[index] = held
             return delta, None
-        start = held.find(self.plan.START)
+        start = self.plan.start(held, output_start)
         if start >= 0:
             self.in_call.add(index)
             send, self.held[index] = held[:start], held[start:]
         else:
-            keep = partial_suffix(held, self.plan.START)
+            keep = self.plan.undecided(held, output_start)
             send, self.held[index] = held[: len(held) - keep], held[len(held) - keep:]
         if send:
             delta["content"] = send
+            self.sent.add(index)
         return delta, None
 
 
@@ -175,7 +294,8 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-TOOL_CALL_PARSERS = {"hermes": HermesToolCalls}
+TOOL_CALL_PARSERS = {"hermes": HermesToolCalls, "mistral": MistralToolCalls, "llama3_json": Llama3JsonToolCalls,
+                     "granite": GraniteToolCalls, "pythonic": PythonicToolCalls}
 
 
 def tool_call(name: str, arguments: str) -> dict:
@@ -184,7 +304,7 @@ def tool_call(name: str, arguments: str) -> dict:
 
 
 def plan_tool_calls(tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool_calls: bool = True,
-                    auto_parser: str | None = None) -> ToolCalls | HermesToolCalls | None:
+                    auto_parser: str | None = None) -> ToolCalls | MarkedToolCalls | None:
     """How the request's output becomes tool calls, or None where it is text (no tools, or tool_choice "none").
     auto_parser: the server's parser for "auto" (TOOL_CALL_PARSERS), None where "auto" is refused. Raises
     ToolError naming the field at fault."""

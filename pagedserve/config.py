@@ -379,8 +379,13 @@ class ServingConfig(_Config):
                                                   "calls, which `tool_call_parser` reads from its output")
     tool_call_parser: str | None = option(None, "how the model writes a tool call, for tool_choice \"auto\": "
                                                 "`hermes` (<tool_call>{\"name\": ..., \"arguments\": ...}"
-                                                "</tool_call>: Qwen2.5, Qwen3, Hermes and others)",
-                                          choices=("hermes",))
+                                                "</tool_call>: Qwen2.5, Qwen3, Hermes and others), `mistral` "
+                                                "([TOOL_CALLS] and a JSON list, or name[ARGS]{...} per call), "
+                                                "`llama3_json` (Llama 3.1-3.3: the output a JSON call, or several "
+                                                "separated by ;), `granite` (<|tool_call|> and a JSON list) or "
+                                                "`pythonic` (the output a Python list of calls with keyword "
+                                                "arguments: Llama 3.2 and 4)",
+                                          choices=("hermes", "mistral", "llama3_json", "granite", "pythonic"))
     reasoning_parser: str | None = option(None, "splits a reasoning model's thinking (<think>...</think>) from its "
                                                 "answer on the HTTP API, into the message's `reasoning`: `qwen3` "
                                                 "(thinking where the answer opens with <think>) or `deepseek_r1` "

@@ -86,7 +86,7 @@ def test_cross_field_rules():
     with pytest.raises(ValueError, match="^enable_auto_tool_choice needs tool_call_parser"):
         ServingConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="^tool_call_parser must be one of"):
-        ServingConfig(tool_call_parser="mistral")
+        ServingConfig(tool_call_parser="xml")
 
 
 def test_unknown_keyword_is_refused_by_name():

@@ -116,9 +116,60 @@ def test_auto_needs_the_servers_parser_and_then_reads_hermes_calls():
     assert plan.message('<tool_call>{"name": "get_time", "arguments": {}}', "length")[1] == "length"
 
 
-@pytest.mark.parametrize("text", [HERMES_OUTPUT, "Just text, with a < and a <tool", 'A <tool_call>{"name": 1}'])
-def test_auto_streamed_adds_up_to_the_whole_answer_wherever_the_text_splits(text):
-    plan = plan_tool_calls([WEATHER, TIME], "auto", auto_parser="hermes")
+# Each parser's syntax for the two calls of HERMES_OUTPUT: get_weather(city="Oslo"), get_time().
+CALLS = [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+OUTPUTS = {
+    "mistral": ['Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                '{"name": "get_time", "arguments": {}}]',
+                'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}'],
+    "llama3_json": ['{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}',
+                    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}};'
+                    '{"name": "get_time", "parameters": {}}'],
+    "granite": ['Let me look.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                '{"name": "get_time", "arguments": {}}]'],
+    "pythonic": ['[get_weather(city="Oslo"), get_time()]', " [get_weather(city='Oslo'), get_time()]"],
+}
+
+
+def read_calls(message: dict) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+
+
+@pytest.mark.parametrize("parser", sorted(OUTPUTS))
+def test_each_parser_reads_its_models_calls_and_leaves_anything_else_as_text(parser):
+    plan = plan_tool_calls([WEATHER, TIME], "auto", auto_parser=parser)
+    for text in OUTPUTS[parser]:
+        message, finish = plan.message(text, "stop")
+        assert read_calls(message) == CALLS and finish == "tool_calls", text
+        assert message["content"] == ("Let me look." if text.startswith("Let") else None)
+    not_calls = ["Sunny, I think.", "[1] is the source.", '{"answer": 4}', "It is {warm}.", "[TOOL_CALLS]oops",
+                 '<|tool_call|>[{"name": ""}]', "[get_weather(**kwargs)]", "[get_weather('Oslo')]",
+                 "[get_weather(city=input())]", "[x[0](a=1)]", '[TOOL_CALLS]get_time[ARGS]{bad']
+    for text in not_calls:
+        assert plan.message(text, "length") == ({"role": "assistant", "content": text}, "length"), text
+
+
+def test_calls_open_a_llama3_or_pythonic_output_only_at_its_start():
+    for parser, text in (("llama3_json", 'Use {"name": "get_time", "parameters": {}}'),
+                         ("pythonic", "Try [get_time()]")):
+        plan = plan_tool_calls([WEATHER, TIME], "auto", auto_parser=parser)
+        assert plan.message(text, "stop") == ({"role": "assistant", "content": text}, "stop")
+        stream = plan.stream()
+        first, _ = stream.delta(0, text[:5], True, None)
+        assert first["content"] == text[:5]  # streamed at once: no call can open after text
+        rest, _ = stream.delta(0, text[5:], False, "stop")
+        assert first["content"] + rest["content"] == text
+
+
+STREAMED = [("hermes", HERMES_OUTPUT), ("hermes", "Just text, with a < and a <tool"),
+            ("hermes", 'A <tool_call>{"name": 1}')] + [(parser, text) for parser, texts in OUTPUTS.items()
+                                                       for text in texts] + [
+    ("mistral", "A [TOOL plan"), ("llama3_json", " {not json"), ("pythonic", "[not, calls]"), ("granite", "<|tool")]
+
+
+@pytest.mark.parametrize("parser,text", STREAMED)
+def test_auto_streamed_adds_up_to_the_whole_answer_wherever_the_text_splits(parser, text):
+    plan = plan_tool_calls([WEATHER, TIME], "auto", auto_parser=parser)
     whole, whole_finish = plan.message(text, "stop")
     for cut in range(1, len(text)):
         for pieces in ([text[:cut], text[cut:]], [text[:cut], text[cut:-1], text[-1]]):
