@@ -9,7 +9,7 @@ from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, schedu
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "cpus", "nice", "scheduler", "startup_timeout", "max_streams",
                     "max_message_bytes", "http_address", "served_model_name", "drain_timeout_s", "max_prompt_chars",
-                    "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+                    "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "responses_store_size",
                     "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file", "internal_token_file"),
     ModelConfig: ("tokenizer", "chat_template"),
 }
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         api = OpenAIServer(link, tokenizer, model_names, info.max_model_len, info.vocab_size, max_prompt_chars,
                            security.api_key_ok if security.api_keys else None, metrics,
                            serving.tool_call_parser if serving.enable_auto_tool_choice else None,
-                           serving.reasoning_parser)
+                           serving.reasoning_parser, serving.responses_store_size)
         http = HttpServer(api.app, serving.http_address, serving.log_level, serving.tls_cert, serving.tls_key,
                           serving.tls_client_ca)
         http.start()

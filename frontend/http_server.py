@@ -31,8 +31,8 @@ from starlette.exceptions import HTTPException
 from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import FrontendMetrics
 from frontend.reasoning import ReasoningStream, split_reasoning
-from frontend.responses import (ResponseEvents, ResponsesError, chat_messages, chat_tool_choice, chat_tools,
-                                finished, output_items, text_format)
+from frontend.responses import (ResponseEvents, ResponsesError, ResponseStore, chat_messages, chat_tool_choice,
+                                chat_tools, conversation, finished, output_items, text_format)
 from frontend.responses import usage as responses_usage
 from frontend.tools import ToolError, plan_tool_calls
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
@@ -242,7 +242,7 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool = True
     text: dict | None = None
     metadata: dict | None = None
-    store: bool | None = None  # nothing is stored: the response says store false
+    store: bool | None = None  # OpenAI's default, true, where the server keeps responses
     previous_response_id: str | None = None
     background: bool = False
     user: str | None = None
@@ -280,17 +280,18 @@ class OpenAIServer:
     def __init__(self, link, tokenizer: Any, served_model_names: tuple[str, ...], max_model_len: int,
                  vocab_size: int, max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None,
                  metrics: FrontendMetrics | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, responses_store_size: int = 0) -> None:
         """served_model_names: what requests may name the model (responses name it by the first);
         api_key_ok: checks an `authorization` header's value; None: the API is open; metrics: served on
         /metrics (without, that route is a 404); tool_call_parser: reads the calls of tool_choice "auto" (none:
         "auto" is refused); reasoning_parser: splits a reasoning model's thinking from its answer
-        (frontend/reasoning.py)."""
+        (frontend/reasoning.py); responses_store_size: the Responses API's stored responses (0: none)."""
         self.link, self.tokenizer, self.metrics = link, tokenizer, metrics
         self.model_names, self.model_name = served_model_names, served_model_names[0]
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_prompt_chars, self.api_key_ok = max_prompt_chars, api_key_ok
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
+        self.responses_store = ResponseStore(responses_store_size) if responses_store_size else None
         self.created = int(time.time())
         self.app = self._build_app()
 
@@ -320,6 +321,8 @@ class OpenAIServer:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/responses")(self.responses)
+        app.get("/v1/responses/{response_id}")(self.stored_response)
+        app.delete("/v1/responses/{response_id}")(self.delete_response)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         if self.metrics is not None:
@@ -577,14 +580,16 @@ class OpenAIServer:
         """OpenAI's Responses API on the chat path (frontend/responses.py), whole or as its stream of events."""
         body = parse_body(ResponsesRequest, await request.body())
         self._check_model(body.model)
-        for name in ("previous_response_id", "background"):
-            if getattr(body, name):
-                raise APIError(400, f"{name} is not supported: this server keeps no responses", name)
+        if body.background:
+            raise APIError(400, "background is not supported: a response runs within its request", "background")
+        store = self.responses_store is not None and body.store is not False
+        earlier = self._previous_conversation(body.previous_response_id)
         inp = GenerateInput(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
                             max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
                             seed=body.seed, priority=body.priority)
         try:
-            inp.messages = chat_messages(body.input, body.instructions)
+            own = earlier + chat_messages(body.input, None)
+            inp.messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + own
             inp.json_schema, inp.json_object = text_format(body.text)
             tools = chat_tools(body.tools)
             tool_choice = chat_tool_choice(body.tool_choice)
@@ -605,22 +610,54 @@ class OpenAIServer:
                     "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
                     "top_p": body.top_p, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
                     "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}},
-                    "store": False, "metadata": body.metadata or {}, "previous_response_id": None}
+                    "store": store, "metadata": body.metadata or {},
+                    "previous_response_id": body.previous_response_id}
         reasoning = self._reasoning_parser(inp)
         call = self._call(prompt_ids, params, inp)
+        kept = own if store else None
         if body.stream:
-            return StreamingResponse(self._response_events(request, call, response, plan, reasoning),
+            return StreamingResponse(self._response_events(request, call, response, plan, reasoning, kept),
                                      media_type="text/event-stream", headers={"X-Request-Id": inp.request_id})
         [deltas] = await self._collect(request, [call])
         message, finish_reason = _answer("".join(d.text for d in deltas), deltas[-1].finish_reason, plan, reasoning)
         counts = _usage(deltas)
-        return self._json(finished(response, output_items(message), finish_reason,
-                                   responses_usage(counts["prompt_tokens"], counts["completion_tokens"])),
-                          inp.request_id)
+        done = finished(response, output_items(message), finish_reason,
+                        responses_usage(counts["prompt_tokens"], counts["completion_tokens"]))
+        self._store_response(done, kept)
+        return self._json(done, inp.request_id)
+
+    def _previous_conversation(self, response_id: str | None) -> list[dict]:
+        """The conversation a previous_response_id continues (none without one)."""
+        if response_id is None:
+            return []
+        if self.responses_store is None:
+            raise APIError(400, "previous_response_id is not supported: this server keeps no responses "
+                                "(--responses-store-size 0)", "previous_response_id")
+        stored = self.responses_store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"previous response {response_id!r} is not stored on this frontend (not made here, "
+                                "stored false, deleted, or gone to make room)", "previous_response_id")
+        return stored[1]
+
+    def _store_response(self, done: dict, messages: list[dict] | None) -> None:
+        if messages is not None:
+            self.responses_store.put(done, conversation(messages, done["output"]))
+
+    async def stored_response(self, response_id: str) -> JSONResponse:
+        stored = self.responses_store.get(response_id) if self.responses_store is not None else None
+        if stored is None:
+            raise APIError(404, f"response {response_id!r} is not stored on this frontend", "response_id")
+        return JSONResponse(stored[0])
+
+    async def delete_response(self, response_id: str) -> JSONResponse:
+        if self.responses_store is None or not self.responses_store.delete(response_id):
+            raise APIError(404, f"response {response_id!r} is not stored on this frontend", "response_id")
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def _response_events(self, request: Request, call: GenerateCall, response: dict, plan,
-                               reasoning: str | None):
-        """The answer as the Responses API's events, from the chat chunks it would stream."""
+                               reasoning: str | None, kept: list[dict] | None):
+        """The answer as the Responses API's events, from the chat chunks it would stream; stored at its end
+        (kept: its conversation so far) where the request stores it."""
         events = ResponseEvents(response)
         chunk = functools.partial(self._chat_chunk, tool_calls=None if plan is None else plan.stream(),
                                   reasoning=None if reasoning is None else ReasoningStream(reasoning))
@@ -642,7 +679,9 @@ class OpenAIServer:
         except APIError as error:
             yield encode(events.failed(error.code or "server_error", str(error)))
             return
-        yield encode(events.finish(finish_reason, responses_usage(prompt_tokens, completion_tokens)))
+        batch = events.finish(finish_reason, responses_usage(prompt_tokens, completion_tokens))
+        self._store_response(batch[-1]["response"], kept)
+        yield encode(batch)
 
     def _call(self, prompt_ids, params, inp: GenerateInput, prompt_only: bool = False) -> GenerateCall:
         # Refused here, before a stream's 200 goes out; the link refuses one that slips past (as an error event).

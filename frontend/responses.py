@@ -1,12 +1,14 @@
-"""OpenAI's Responses API (/v1/responses) on the chat path, as vLLM serves it without its store: the input items
-become chat messages (instructions a system message first; function calls and their outputs an assistant's
-tool_calls and tool messages), function tools and tool_choice the chat API's, and the answer's text and calls
-become output items, whole or as the API's typed stream of events. Nothing is kept between requests: a
-previous_response_id is refused and `store` comes back false."""
+"""OpenAI's Responses API (/v1/responses) on the chat path: the input items become chat messages (instructions a
+system message first; function calls and their outputs an assistant's tool_calls and tool messages), function
+tools and tool_choice the chat API's, and the answer's text and calls become output items, whole or as the API's
+typed stream of events. Responses are stored (ResponseStore) unless a request says store false: a follow-up
+naming one as previous_response_id continues its conversation, its input and output before the new input (its
+instructions are not carried over, as OpenAI's are not)."""
 from __future__ import annotations
 
 import json
 import uuid
+from collections import OrderedDict
 
 
 class ResponsesError(ValueError):
@@ -35,8 +37,8 @@ def chat_messages(input_: str | list, instructions: str | None) -> list[dict]:
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
             if not isinstance(call["id"], str) or not isinstance(call["function"]["name"], str):
                 raise ResponsesError("input", f"input[{i}], a function_call, needs call_id and name")
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)  # its text and parallel calls: one turn
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -230,3 +232,31 @@ class ResponseEvents:
 
     def _index(self, item: dict) -> int:
         return next(i for i, out in enumerate(self.output) if out["id"] == item["id"])
+
+
+def conversation(messages: list[dict], output: list[dict]) -> list[dict]:
+    """The chat messages a follow-up continues: a response's own (instructions left out) and its output items
+    as messages (its reasoning left out, as chat templates drop earlier turns' thinking)."""
+    answer = [item for item in output if item["type"] in ("message", "function_call")]
+    return messages + (chat_messages(answer, None) if answer else [])
+
+
+class ResponseStore:
+    """Stored responses by id, each with its conversation (conversation()): the newest `capacity`, the oldest
+    going first, in this process's memory."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, messages: list[dict]) -> None:
+        self._entries[response["id"]] = (response, messages)
+        self._entries.move_to_end(response["id"])
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        return self._entries.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None

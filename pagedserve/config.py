@@ -391,6 +391,10 @@ class ServingConfig(_Config):
                                                 "(thinking where the answer opens with <think>) or `deepseek_r1` "
                                                 "(the prompt opens it: the answer thinks until </think>)",
                                           choices=("qwen3", "deepseek_r1"))
+    responses_store_size: int = option(1000, "the Responses API's stored responses, for previous_response_id and "
+                                             "GET/DELETE /v1/responses/{id}: the newest this many, in each "
+                                             "frontend's memory (a follow-up goes to the frontend that served the "
+                                             "response); 0: none kept, store comes back false", min=0)
     max_prompt_chars: int | None = option(
         None, "longest prompt in characters (chat messages counted together), refused before tokenizing "
               f"(default: {PROMPT_CHARS_PER_TOKEN} per token of the context length)", min=1)

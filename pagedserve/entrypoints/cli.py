@@ -27,7 +27,7 @@ UP_SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "startup_timeout", "max_streams", "restart_backoff", "max_restarts",
                     "max_message_bytes", "max_prompt_chars", "tls_cert", "tls_key", "tls_ca", "tls_client_ca",
                     "api_key_file", "internal_token_file", "http_address", "served_model_name", "drain_timeout_s",
-                    "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+                    "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "responses_store_size",
                     "frontends", "executors", "cpus", "control_plane_cpus", "nice", "frontend_nice"),
 }
 # What still applies with --compose (the launcher's own behaviour): the file gives everything else.

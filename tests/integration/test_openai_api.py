@@ -259,6 +259,36 @@ def test_the_responses_api_answers_as_chat_does_whole_and_streamed(openai_client
     assert answered.output_text and answered.output[0].type == "message"
 
 
+def test_stored_responses_continue_their_conversation_and_can_be_read_and_deleted(openai_client):
+    """A response is stored unless the request says store false: previous_response_id continues its conversation
+    (the same greedy answer as the chat API on the whole of it), GET reads it, DELETE removes it."""
+    first = openai_client.responses.create(model=MODEL, input="My name is Ada. Say hello to me.", temperature=0,
+                                           max_output_tokens=12, instructions="Answer briefly.")
+    assert first.store and openai_client.responses.retrieve(first.id).output_text == first.output_text
+    events = list(openai_client.responses.create(model=MODEL, input="What is my name?", temperature=0,
+                                                 max_output_tokens=12, previous_response_id=first.id, stream=True))
+    follow = events[-1].response
+    assert follow.previous_response_id == first.id and follow.store
+    chat = openai_client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[
+        {"role": "user", "content": "My name is Ada. Say hello to me."},
+        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "What is my name?"}])
+    assert follow.output_text == chat.choices[0].message.content  # the first's instructions are not carried over
+    assert follow.usage.input_tokens == chat.usage.prompt_tokens
+    assert openai_client.responses.retrieve(follow.id).output_text == follow.output_text
+
+    unstored = openai_client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert not unstored.store
+    for missing in (unstored.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError):
+            openai_client.responses.retrieve(missing)
+        with pytest.raises(openai.NotFoundError) as refused:
+            openai_client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, previous_response_id=missing)
+        assert refused.value.body["param"] == "previous_response_id"
+    openai_client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(first.id)
+
+
 def test_reasoning_splits_from_the_answer(openai_client, grpc_client):
     """The stack serves with --reasoning-parser qwen3. Shown two answers that think in <think> first, the model
     thinks too: the HTTP API splits its answer, whole and streamed, as the parser splits the gRPC API's raw text;
@@ -380,7 +410,7 @@ BAD = [
     ("/v1/responses", {"input": [{"type": "image", "url": "x"}]}, "input"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
     ("/v1/responses", {"input": "hi", "temperature": -1}, "temperature"),
-    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "background": True}, "background"),
     ("/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": 5}}}}, "text"),
     ("/v1/responses", {"input": [{"role": "wizard", "content": "hi"}]}, "input"),

@@ -38,7 +38,7 @@ CHANGED = PagedServeConfig(
                   startup_timeout=5.5, max_streams=9, restart_backoff=0.25, max_restarts=2,
                   http_address="0.0.0.0:8080", served_model_name=("my-model", "alias"),
                   max_message_bytes=1 << 20, max_prompt_chars=999, enable_auto_tool_choice=True,
-                  tool_call_parser="hermes", reasoning_parser="qwen3",
+                  tool_call_parser="hermes", reasoning_parser="qwen3", responses_store_size=7,
                   tls_cert=A_FILE, tls_key=A_FILE, tls_ca=A_FILE, tls_client_ca=A_FILE, api_key_file=A_FILE,
                   internal_token_file=A_FILE, drain_timeout_s=2.5, frontends=3, executors=2,
                   advertise_address="x:4", heartbeat_ttl=1.5, cpus="0-3", control_plane_cpus="1", nice=3,

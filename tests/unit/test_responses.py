@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from frontend.responses import (ResponseEvents, ResponsesError, chat_messages, chat_tool_choice, chat_tools,
-                                output_items, text_format, usage)
+from frontend.responses import (ResponseEvents, ResponsesError, ResponseStore, chat_messages, chat_tool_choice,
+                                chat_tools, conversation, output_items, text_format, usage)
 
 
 def test_input_items_become_the_chat_conversation():
@@ -79,3 +79,19 @@ def test_events_open_each_item_as_it_begins_and_close_them_in_order():
     assert final["output"][0]["content"][0]["text"] == "Checking."
     assert final["output"][1]["arguments"] == '{"a": 1}' and final["output"][1]["status"] == "completed"
     assert [e["output_index"] for e in seen if e["type"] == "response.output_item.done"] == [0, 1]
+
+
+def test_the_store_keeps_the_newest_responses_with_the_conversation_a_follow_up_continues():
+    store = ResponseStore(2)
+    asked = chat_messages([{"role": "user", "content": "Weather in Oslo?"}], None)
+    output = output_items({"reasoning": "Look it up.", "content": "Checking.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]})
+    for n in range(3):
+        store.put({"id": f"resp_{n}", "output": output}, conversation(asked, output))
+    assert store.get("resp_0") is None  # gone to make room
+    response, messages = store.get("resp_2")
+    assert response["id"] == "resp_2"
+    # The thinking is left out; the text and the call become the assistant's turn.
+    assert messages == asked + [{"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}]
+    assert store.delete("resp_1") and not store.delete("resp_1") and store.get("resp_1") is None
