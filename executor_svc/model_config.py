@@ -33,16 +33,22 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     "granitemoe": None,  # Granite's multipliers; the router's softmax over each token's top-k logits
     "granitemoeshared": None,  # and an ungated shared MLP
     "olmoe": None,  # q/k RMS-normalised over each token's whole projection, not per head
+    # OLMo 2: norms on each sublayer's output only, q/k norms over the whole projection; OLMo 3 adds sliding-window
+    # layers with a rotary table per layer type.
+    "olmo2": None,
+    "olmo3": None,
 }
 # Vision-language checkpoints whose language model is one of the above (text_config): served as that model alone,
 # text in and text out, their vision tower and projector left unloaded.
 VISION_LANGUAGE_WRAPPERS = frozenset({"gemma3", "mistral3", "llava"})
+# Architectures with a rotary table per layer type (rope_parameters keyed by layer_types' names).
+LAYER_TYPE_ROPE = frozenset({"gemma3_text", "olmo3"})
 # Architectures whose sliding_window applies only where use_sliding_window is set.
 SLIDING_WINDOW_FLAGGED = frozenset({"qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen3_moe"})
 # Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
-QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "olmoe"})
+QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "olmoe", "olmo2", "olmo3"})
 # Of those, the ones whose q and k norms take each token's whole projection (weights per head and dimension).
-QK_NORM_OVER_HEADS = frozenset({"olmoe"})
+QK_NORM_OVER_HEADS = frozenset({"olmoe", "olmo2", "olmo3"})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -141,9 +147,13 @@ class ModelArchitecture:
     residual_multiplier: float = 1.0  # on each attention and MLP output before it joins the residual stream
     logits_scaling: float = 1.0  # the logits are divided by it
     hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_pytorch_tanh (GELU, tanh approximation)
-    # Gemma's: each sublayer's output normalised before it joins the residual stream, and every RMSNorm weight
-    # stored as w for a factor of 1 + w.
-    sandwich_norms: bool = False
+    # Where the RMSNorms sit: "pre" (Llama: before each sublayer), "sandwich" (Gemma: before each sublayer and on
+    # its output before it joins the residual stream) or "post" (OLMo 2: on each sublayer's output only).
+    norm_placement: str = "pre"
+    gemma_norms: bool = False  # every RMSNorm weight stored as w for a factor of 1 + w (Gemma)
+    # The norms' product with the weight in float32, rounded once (Gemma, OLMo 2), rather than the normalised row
+    # rounded to the model's dtype first (Llama): a bfloat16 model keeps its norm weights in float32.
+    float32_norm_products: bool = False
     # The rotary table of each layer: a key of rope_parameters where the config gives one per layer type, else None.
     layer_rope: tuple[str | None, ...] = ()
     # Each layer's sliding window (a query at position p sees the keys at (p - window, p]), None for full
@@ -177,6 +187,7 @@ class ModelArchitecture:
             )
         biases = SUPPORTED_ARCHITECTURES[model_type]
         gemma = model_type in ("gemma3_text", "gemma2")
+        olmo2 = model_type in ("olmo2", "olmo3")
         if model_type == "qwen2_moe":
             biases = (bool(getattr(hf_config, "qkv_bias", True)), False)
         elif biases is None:
@@ -236,8 +247,10 @@ class ModelArchitecture:
             residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
             logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
             hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu"),
-            sandwich_norms=gemma,
-            layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if model_type == "gemma3_text" else (),
+            norm_placement="sandwich" if gemma else "post" if olmo2 else "pre",
+            gemma_norms=gemma,
+            float32_norm_products=gemma or olmo2,
+            layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if model_type in LAYER_TYPE_ROPE else (),
             layer_windows=_layer_windows(hf_config),
             rotary_dim=rotary_dim,
             attention_softcap=_positive(hf_config, "attn_logit_softcapping"),

@@ -9,8 +9,8 @@ import torch
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -70,6 +70,13 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
     if kind == "olmoe":  # q/k norms over the whole projection, q/k/v clipped
         return OlmoeConfig(**common, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
                            clip_qkv=1.2, pad_token_id=None)
+    if kind == "olmo2":  # norms on each sublayer's output only, q/k norms over the whole projection
+        return Olmo2Config(**common, tie_word_embeddings=False, pad_token_id=None)
+    if kind == "olmo3":  # and a sliding and a full-attention layer, each with its rotary table
+        return Olmo3Config(**common, tie_word_embeddings=False, pad_token_id=None, sliding_window=24,
+                           layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})
     raise ValueError(kind)
 
 

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 2 and 3, Phi-3, and the
-mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE) over a flat batch of tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 2 and 3, Phi-3, OLMo 2
+and 3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE and OLMoE) over a flat batch of
+tokens.
 
 Every token of a step, from every request, prefill chunks and decodes alike, is one row of a
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told
@@ -294,7 +295,9 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchitecture, attention_backend, fused_ops=None, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+        self.norm_placement = config.norm_placement
+        if self.norm_placement != "post":
+            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.self_attn = Attention(config, attention_backend, fused_ops, rotary=index not in config.no_rope_layers,
                                    window=config.layer_windows[index] if config.layer_windows else None)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
@@ -302,21 +305,26 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = config.residual_multiplier
         # Gemma's sandwich: post_attention_layernorm normalises the attention's output, pre_feedforward_layernorm
         # is the norm before the MLP (Llama's post_attention_layernorm), post_feedforward_layernorm the MLP's output.
-        self.sandwich = config.sandwich_norms
-        if self.sandwich:
+        # OLMo 2's post norms: post_attention_layernorm and post_feedforward_layernorm alone.
+        if self.norm_placement == "sandwich":
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
+        if self.norm_placement != "pre":
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_ops)
         self.rope = config.layer_rope[index] if config.layer_rope else None  # its rotary table
 
     def forward(self, hidden, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next norm adds the two. residual is
         None for the first layer, whose input is the stream itself."""
+        if self.norm_placement == "post":  # the sublayers read the stream itself, summed here
+            stream = hidden if residual is None else hidden + residual
+            stream = stream + self.post_attention_layernorm(self.self_attn(stream, cos, sin, kv_cache, meta))
+            return self.post_feedforward_layernorm(self.mlp(stream)), stream
         if residual is None:
             normed, residual = self.input_layernorm(hidden), hidden
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         attended = self.self_attn(normed, cos, sin, kv_cache, meta)
-        if self.sandwich:
+        if self.norm_placement == "sandwich":
             normed, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), residual)
             return self.post_feedforward_layernorm(self.mlp(normed)), residual
         if self.residual_multiplier != 1.0:
@@ -400,10 +408,11 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def convert(self, dtype: torch.dtype) -> None:
-        """The weights to dtype but for what transformers applies in float32: the RoPE tables, and Gemma's norm
-        factors 1 + w (rounded to dtype, each would round twice)."""
+        """The weights to dtype but for what transformers applies in float32: the RoPE tables, and the norm weights
+        of models whose norms multiply by them in float32 (Gemma's factors 1 + w, which rounded to dtype would
+        round twice; OLMo 2's)."""
         kept = {module: module.weight.detach().clone() for module in self.modules()
-                if isinstance(module, RMSNorm) and self.config.sandwich_norms}
+                if isinstance(module, RMSNorm) and self.config.float32_norm_products}
         self.to(dtype)
         self.rotary.float()
         for module, weight in kept.items():
@@ -451,7 +460,7 @@ class LlamaForCausalLM(nn.Module):
             if destination.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
             destination.copy_(tensor)
-            if self.config.sandwich_norms and target.endswith("norm.weight"):
+            if self.config.gemma_norms and target.endswith("norm.weight"):
                 destination.add_(1.0)  # Gemma's RMSNorm scales by 1 + w: held as that factor
             loaded.add(key)
         missing = [key for target in params if target not in loaded  # whole, fused in the checkpoint already

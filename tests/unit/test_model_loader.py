@@ -49,10 +49,14 @@ def test_sliding_windows_are_read_per_layer_as_transformers_applies_them():
     assert windows("gemma3").layer_windows == (24, None)
     gemma2 = windows("gemma2")
     assert (gemma2.layer_windows, gemma2.attention_softcap, gemma2.logits_softcap) == ((24, None), 1.5, 4.0)
-    assert (gemma2.layer_rope, gemma2.sandwich_norms, gemma2.qk_norm) == ((), True, False)
+    assert (gemma2.layer_rope, gemma2.norm_placement, gemma2.gemma_norms, gemma2.qk_norm) == ((), "sandwich", True, False)
     assert windows("gemma3").attention_softcap is None
     with pytest.raises(ValueError, match="attn_logit_softcapping must be positive"):
         windows("gemma2", attn_logit_softcapping=0.0)
+    olmo3 = windows("olmo3")
+    assert (olmo3.layer_windows, olmo3.layer_rope, olmo3.norm_placement) == (
+        (24, None), ("sliding_attention", "full_attention"), "post")
+    assert (olmo3.qk_norm_over_heads, olmo3.float32_norm_products, olmo3.gemma_norms) == (True, True, False)
     assert windows("mistral").layer_windows == (40, 40)
     assert windows("mistral", sliding_window=None).layer_windows == ()
     assert windows("llama").layer_windows == ()

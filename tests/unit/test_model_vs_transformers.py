@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from executor_svc.model_runner import ModelRunner
+from executor_svc.models.llama import RMSNorm
 from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import ExecuteRequest, ExecuteStep
@@ -18,7 +19,7 @@ BLOCK_SIZE = 8
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "gemma2", "mistral",
                                              "phi3", "llama3-rope", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe",
-                                             "granitemoeshared", "olmoe"])
+                                             "granitemoeshared", "olmoe", "olmo2", "olmo3"])
 def tiny_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return path, write_tiny_model(request.param, path)
@@ -113,6 +114,9 @@ def test_bfloat16_logits_are_about_as_close_to_float32_as_transformers_in_bfloat
     hf_bf16 = type(hf_model).from_pretrained(path, dtype=torch.bfloat16).eval()
     runner = ModelRunner(ModelConfig(str(path), dtype="bfloat16", device="cpu"),
                          CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
+    # Gemma's and OLMo 2's norms multiply by their weights in float32: those weights stay float32.
+    norm_dtypes = {m.weight.dtype for m in runner.model.modules() if isinstance(m, RMSNorm)}
+    assert norm_dtypes == {torch.float32 if runner.config.float32_norm_products else torch.bfloat16}
     tokens = random.Random(3).choices(range(160), k=64)
     exact, rounded = reference_logits(hf_model, tokens), reference_logits(hf_bf16, tokens)
     for position, logits in logits_by_chunk(runner, tokens, (40, 1, 1, 7, 15)):
