@@ -7,7 +7,8 @@ import pytest
 import torch
 
 
-def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512):
+def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512, **overrides):
+    """A tiny config of the kind; overrides: of the sizes all kinds share (hidden_size, ...)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
                               LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
@@ -16,7 +17,7 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
         eos_token_id=vocab_size - 1, bos_token_id=0,
-    )
+    ) | overrides
     if kind == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if kind == "llama3-rope":

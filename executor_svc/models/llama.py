@@ -385,14 +385,23 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta,  # the attention backend's metadata for this step
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        if self.config.embedding_multiplier != 1.0:
-            hidden = hidden * self.config.embedding_multiplier
+        hidden = self.embed(input_ids)
         tables = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotary.items()}
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, *tables[layer.rope or ALL_LAYERS], kv_cache, meta)
         return self.norm(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, scaled by the embedding multiplier: Gemma's, sqrt(hidden), rounded to the model's
+        dtype first, as transformers rounds it (in bfloat16, gemma-3-1b's 33.94 is 34.0); Granite's as it is."""
+        hidden = self.embed_tokens(input_ids)
+        multiplier = self.config.embedding_multiplier
+        if multiplier == 1.0:
+            return hidden
+        if self.config.gemma_norms:
+            multiplier = torch.tensor(multiplier, dtype=hidden.dtype).item()
+        return hidden * multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -137,3 +137,14 @@ def test_torch_backend_and_unfused_rotary_match_transformers(kind, tmp_path):
     expected = reference_logits(hf_model, tokens)
     for position, logits in logits_by_chunk(runner, tokens, (50, 1, 33, 45, 1)):
         assert (logits - expected[position]).abs().max().item() < TOLERANCE, position
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_scales_its_embeddings_by_sqrt_hidden_rounded_to_the_models_dtype(kind, tmp_path):
+    # sqrt(72) = 8.485 is 8.5 in bfloat16; transformers scales by the rounded value, and so must we.
+    hf_model = write_tiny_model(kind, tmp_path, hidden_size=72)
+    runner = ModelRunner(ModelConfig(str(tmp_path), dtype="bfloat16", device="cpu"), CacheConfig(kv_cache_memory=1 << 20))
+    hf_bf16 = type(hf_model).from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ids = torch.arange(160)
+    with torch.no_grad():
+        assert torch.equal(runner.model.embed(ids), hf_bf16.model.embed_tokens(ids))
