@@ -37,6 +37,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     # layers with a rotary table per layer type.
     "olmo2": None,
     "olmo3": None,
+    "ministral": (False, False),  # Mistral with sliding-window layers by layer_types
+    # EXAONE 4: OLMo 2's post norms with per-head q/k norms; with a sliding window, the rotary embedding on the
+    # sliding layers alone.
+    "exaone4": (False, False),
 }
 # Vision-language checkpoints whose language model is one of the above (text_config): served as that model alone,
 # text in and text out, their vision tower and projector left unloaded.
@@ -46,7 +50,7 @@ LAYER_TYPE_ROPE = frozenset({"gemma3_text", "olmo3"})
 # Architectures whose sliding_window applies only where use_sliding_window is set.
 SLIDING_WINDOW_FLAGGED = frozenset({"qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen3_moe"})
 # Architectures that RMS-normalise each head of q and k (weights per head dimension) before the rotary embedding.
-QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "olmoe", "olmo2", "olmo3"})
+QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "olmoe", "olmo2", "olmo3", "exaone4"})
 # Of those, the ones whose q and k norms take each token's whole projection (weights per head and dimension).
 QK_NORM_OVER_HEADS = frozenset({"olmoe", "olmo2", "olmo3"})
 
@@ -239,15 +243,13 @@ class ModelArchitecture:
             eos_token_ids=_eos_ids(hf_config.eos_token_id),
             hf_config=hf_config,
             attention_scale=float(attention_scale),
-            # SmolLM3's no_rope_layers holds 1 for each layer that does use the rotary embedding.
-            no_rope_layers=frozenset(i for i, rope in enumerate(getattr(hf_config, "no_rope_layers", None) or [])
-                                     if not rope),
+            no_rope_layers=_no_rope_layers(hf_config),
             embedding_multiplier=hf_config.hidden_size**0.5 if gemma else float(getattr(hf_config,
                                                                                        "embedding_multiplier", 1.0)),
             residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
             logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
             hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu"),
-            norm_placement="sandwich" if gemma else "post" if olmo2 else "pre",
+            norm_placement="sandwich" if gemma else "post" if olmo2 or model_type == "exaone4" else "pre",
             gemma_norms=gemma,
             float32_norm_products=gemma or olmo2,
             layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if model_type in LAYER_TYPE_ROPE else (),
@@ -290,6 +292,16 @@ class ModelArchitecture:
 
 def _eos_ids(eos) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+
+
+def _no_rope_layers(hf_config) -> frozenset[int]:
+    """The layers whose q and k take no rotary embedding: SmolLM3's no_rope_layers holds 1 for each layer that does
+    use it; EXAONE 4 with a sliding window turns only its sliding layers."""
+    if hf_config.model_type == "exaone4":
+        if getattr(hf_config, "sliding_window", None) is None:
+            return frozenset()
+        return frozenset(i for i, kind in enumerate(hf_config.layer_types) if kind != "sliding_attention")
+    return frozenset(i for i, rope in enumerate(getattr(hf_config, "no_rope_layers", None) or []) if not rope)
 
 
 def _positive(hf_config, name: str) -> float | None:

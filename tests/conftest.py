@@ -9,9 +9,10 @@ import torch
 
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512, **overrides):
     """A tiny config of the kind; overrides: of the sizes all kinds share (hidden_size, ...)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
-                              LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, LlamaConfig, MinistralConfig, MistralConfig, MixtralConfig,
+                              Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -78,6 +79,12 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
                            layer_types=["sliding_attention", "full_attention"], rope_parameters={
                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})
+    if kind == "ministral":  # Mistral with a sliding and a full-attention layer
+        return MinistralConfig(**common, head_dim=16, tie_word_embeddings=False, sliding_window=24,
+                               layer_types=["sliding_attention", "full_attention"])
+    if kind == "exaone4":  # post norms, per-head q/k norms, the rotary embedding on the sliding layer alone
+        return Exaone4Config(**common, tie_word_embeddings=False, sliding_window=24,
+                             layer_types=["sliding_attention", "full_attention"])
     raise ValueError(kind)
 
 

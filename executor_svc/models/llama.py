@@ -1,6 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 2 and 3, Phi-3, OLMo 2
-and 3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE and OLMoE) over a flat batch of
-tokens.
+"""Llama-family decoder (Llama, Mistral, Ministral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 2 and 3, Phi-3,
+OLMo 2 and 3, EXAONE 4, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE and OLMoE) over a
+flat batch of tokens.
 
 Every token of a step, from every request, prefill chunks and decodes alike, is one row of a
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told

@@ -57,6 +57,11 @@ def test_sliding_windows_are_read_per_layer_as_transformers_applies_them():
     assert (olmo3.layer_windows, olmo3.layer_rope, olmo3.norm_placement) == (
         (24, None), ("sliding_attention", "full_attention"), "post")
     assert (olmo3.qk_norm_over_heads, olmo3.float32_norm_products, olmo3.gemma_norms) == (True, True, False)
+    exaone4 = windows("exaone4")
+    assert (exaone4.layer_windows, exaone4.no_rope_layers, exaone4.norm_placement) == ((24, None), {1}, "post")
+    assert (exaone4.qk_norm_over_heads, exaone4.float32_norm_products) == (False, False)
+    assert windows("exaone4", sliding_window=None).no_rope_layers == frozenset()
+    assert windows("ministral").layer_windows == (24, None)
     assert windows("mistral").layer_windows == (40, 40)
     assert windows("mistral", sliding_window=None).layer_windows == ()
     assert windows("llama").layer_windows == ()
