@@ -232,8 +232,7 @@ class SparseMoE(nn.Module):
     """A mixture of experts' MLP (MixtureOfExperts): the router's top-k experts of each token, each expert's
     gated MLP over the rows routed to it, their outputs scaled by the routing weights and summed per token in
     ascending expert order, as transformers sums them; plus a shared expert on every token (Qwen2-MoE's under a
-    sigmoid gate).
-    The experts' weights are held stacked, [E, 2I, H] and [E, H, I], as transformers holds them."""
+    sigmoid gate). The experts' weights are held stacked, [E, 2I, H] and [E, H, I], as transformers holds them."""
 
     def __init__(self, config: ModelArchitecture, fused_ops=None) -> None:
         super().__init__()
@@ -346,11 +345,13 @@ LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language
 EXPERT_WEIGHT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 # Mixture-of-experts tensors that load whole -> ours: the stacked experts as transformers names them (its
 # state_dict), and Granite MoE checkpoints' stacked experts, router and shared MLP (gate and up stored fused).
-WHOLE_MOE_WEIGHTS = {".mlp.experts.gate_up_proj": ".mlp.experts_gate_up", ".mlp.experts.down_proj": ".mlp.experts_down",
-                   ".mlp.input_linear.weight": ".mlp.experts_gate_up", ".mlp.output_linear.weight": ".mlp.experts_down",
-                   ".mlp.router.layer.weight": ".mlp.gate.weight",
-                   ".shared_mlp.input_linear.weight": ".mlp.shared_expert.gate_up_proj.weight",
-                   ".shared_mlp.output_linear.weight": ".mlp.shared_expert.down_proj.weight"}
+WHOLE_MOE_WEIGHTS = {
+    ".mlp.experts.gate_up_proj": ".mlp.experts_gate_up", ".mlp.experts.down_proj": ".mlp.experts_down",
+    ".mlp.input_linear.weight": ".mlp.experts_gate_up", ".mlp.output_linear.weight": ".mlp.experts_down",
+    ".mlp.router.layer.weight": ".mlp.gate.weight",
+    ".shared_mlp.input_linear.weight": ".mlp.shared_expert.gate_up_proj.weight",
+    ".shared_mlp.output_linear.weight": ".mlp.shared_expert.down_proj.weight",
+}
 
 
 def _language_model_weight(name: str) -> str | None:
@@ -459,7 +460,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
             target, expert, rows = self._destination(name.removeprefix("model."))
-            if target not in params:
+            if target not in params or expert is not None and expert >= params[target].shape[0]:
                 raise ValueError(f"unexpected weight {name!r} for a {self.config.model_type} model")
             destination, key = params[target], target
             if expert is not None:

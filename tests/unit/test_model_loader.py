@@ -119,6 +119,9 @@ def test_experts_load_from_transformers_own_stacked_names_and_a_missing_one_is_n
     tokens = [5, 9, 11, 3, 7, 120, 64]
     assert torch.equal(last_logits(runner, tokens), last_logits(stacked, tokens))
     weights = load_file(tmp_path / "model.safetensors")
+    extra = {"model.layers.1.mlp.experts.6.up_proj.weight": weights["model.layers.1.mlp.experts.4.up_proj.weight"]}
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.1.mlp.experts.6.up_proj.weight'"):
+        runner.model.load_weights((weights | extra).items())  # a seventh expert of six
     del weights["model.layers.1.mlp.experts.4.up_proj.weight"]
     with pytest.raises(ValueError, match=r"missing weights: \['layers.1.mlp.experts_gate_up\[4\]\[48\]'\]"):
         runner.model.load_weights(weights.items())
