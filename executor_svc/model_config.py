@@ -9,7 +9,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# model_type -> (q/k/v projections carry a bias, o projection carries a bias); None: read the config.
+# model_type -> (q/k/v projections carry a bias, o projection carries a bias); None: read the config
+# (attention_bias or qkv_bias; attention_out_bias, else the same but for QKV_BIAS_ONLY).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     "llama": None,  # attention_bias covers q, k, v and o
     "mistral": (False, False),
@@ -28,7 +29,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     "phi3": (False, False),
     # Mixtures of experts: each token's MLP is the weighted sum of its top-k experts' (SparseMoE in the model).
     "mixtral": (False, False),
-    "qwen2_moe": None,  # Qwen2's attention (qkv_bias), and a gated shared expert beside the routed ones
+    "qwen2_moe": None,  # Qwen2's attention, and a gated shared expert beside the routed ones
     "qwen3_moe": None,
     "granitemoe": None,  # Granite's multipliers; the router's softmax over each token's top-k logits
     "granitemoeshared": None,  # and an ungated shared MLP
@@ -41,10 +42,16 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     # EXAONE 4: OLMo 2's post norms with per-head q/k norms; with a sliding window, the rotary embedding on the
     # sliding layers alone.
     "exaone4": (False, False),
+    "seed_oss": None,  # the o projection's bias apart: attention_out_bias
+    "helium": None,  # the rotary embedding turns interleaved pairs (rope_interleaved)
 }
 # Vision-language checkpoints whose language model is one of the above (text_config): served as that model alone,
 # text in and text out, their vision tower and projector left unloaded.
 VISION_LANGUAGE_WRAPPERS = frozenset({"gemma3", "mistral3", "llava"})
+# Architectures whose attention_bias (or qkv_bias) is on q, k and v alone, not on the o projection.
+QKV_BIAS_ONLY = frozenset({"qwen2_moe", "helium"})
+# Architectures whose rotary embedding turns interleaved pairs of each head's dimensions.
+INTERLEAVED_ROPE = frozenset({"helium"})
 # Architectures with a rotary table per layer type (rope_parameters keyed by layer_types' names).
 LAYER_TYPE_ROPE = frozenset({"gemma3_text", "olmo3"})
 # Architectures whose sliding_window applies only where use_sliding_window is set.
@@ -171,6 +178,10 @@ class ModelArchitecture:
     moe: MixtureOfExperts | None = None  # the sparse MLP of a mixture-of-experts model; None: dense
     qk_norm_over_heads: bool = False  # q/k norms over each token's whole projection (OLMoE), not each head
     qkv_clip: float | None = None  # q, k and v clamped to [-clip, clip] after the norms (OLMoE's clip_qkv)
+    # The rotary embedding turns the pairs (2i, 2i + 1) of each head (Helium), not (i, i + head_dim / 2): served by
+    # loading q and k with each head's dimensions reordered to the latter (scores are unchanged by a reordering
+    # both share).
+    rope_interleaved: bool = False
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -192,11 +203,11 @@ class ModelArchitecture:
         biases = SUPPORTED_ARCHITECTURES[model_type]
         gemma = model_type in ("gemma3_text", "gemma2")
         olmo2 = model_type in ("olmo2", "olmo3")
-        if model_type == "qwen2_moe":
-            biases = (bool(getattr(hf_config, "qkv_bias", True)), False)
-        elif biases is None:
-            attention_bias = bool(getattr(hf_config, "attention_bias", False))
-            biases = (attention_bias, attention_bias)
+        if biases is None:
+            qkv_bias = getattr(hf_config, "qkv_bias", None)  # Qwen2-MoE's name for it
+            qkv_bias = bool(getattr(hf_config, "attention_bias", False) if qkv_bias is None else qkv_bias)
+            o_bias = getattr(hf_config, "attention_out_bias", None)  # Seed-OSS sets it apart
+            biases = (qkv_bias, bool(qkv_bias and model_type not in QKV_BIAS_ONLY if o_bias is None else o_bias))
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         if getattr(hf_config, "use_bidirectional_attention", False):
@@ -216,6 +227,8 @@ class ModelArchitecture:
             max_model_len = context_len
         elif not 0 < max_model_len <= context_len:
             raise ValueError(f"max_model_len must be in [1, {context_len}]{why}, got {max_model_len}")
+        if model_type in INTERLEAVED_ROPE and model_type in QK_NORM_ARCHITECTURES:
+            raise ValueError(f"{model_type}: q/k norms with an interleaved rotary embedding are not supported")
         partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None)) or 1.0
         rotary_dim = int(head_dim * partial)
         if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
@@ -260,6 +273,7 @@ class ModelArchitecture:
             moe=MixtureOfExperts.from_hf_config(hf_config),
             qk_norm_over_heads=model_type in QK_NORM_OVER_HEADS,
             qkv_clip=_positive(hf_config, "clip_qkv"),
+            rope_interleaved=model_type in INTERLEAVED_ROPE,
         )
 
     def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:

@@ -10,9 +10,9 @@ import torch
 def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: int = 512, **overrides):
     """A tiny config of the kind; overrides: of the sizes all kinds share (hidden_size, ...)."""
     from transformers import (Exaone4Config, Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, LlamaConfig, MinistralConfig, MistralConfig, MixtralConfig,
-                              Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+                              GraniteMoeSharedConfig, HeliumConfig, LlamaConfig, MinistralConfig, MistralConfig,
+                              MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SeedOssConfig, SmolLM3Config)
 
     common = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
@@ -85,6 +85,11 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
     if kind == "exaone4":  # post norms, per-head q/k norms, the rotary embedding on the sliding layer alone
         return Exaone4Config(**common, tie_word_embeddings=False, sliding_window=24,
                              layer_types=["sliding_attention", "full_attention"])
+    if kind == "seed_oss":  # q/k/v biases without an o bias, a head_dim of its own
+        return SeedOssConfig(**common, head_dim=32, tie_word_embeddings=False, attention_bias=True,
+                             attention_out_bias=False, pad_token_id=None)
+    if kind == "helium":  # the rotary embedding on interleaved pairs, q/k/v biases
+        return HeliumConfig(**common, head_dim=16, tie_word_embeddings=False, attention_bias=True, pad_token_id=None)
     raise ValueError(kind)
 
 

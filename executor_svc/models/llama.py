@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama, Mistral, Ministral, Qwen2, Qwen3, SmolLM2, SmolLM3, Granite, Gemma 2 and 3, Phi-3,
-OLMo 2 and 3, EXAONE 4, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE and OLMoE) over a
-flat batch of tokens.
+OLMo 2 and 3, EXAONE 4, Seed-OSS, Helium, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE
+and OLMoE) over a flat batch of tokens.
 
 Every token of a step, from every request, prefill chunks and decodes alike, is one row of a
 ``[num_tokens, hidden]`` tensor with its own position; attention is the only place requests are told
@@ -469,6 +469,8 @@ class LlamaForCausalLM(nn.Module):
                 destination, key = destination[rows[0] : rows[0] + rows[1]], f"{key}[{rows[0]}]"
             if destination.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
+            if self.config.rope_interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+                tensor = self._pairs_half_apart(tensor)
             destination.copy_(tensor)
             if self.config.gemma_norms and target.endswith("norm.weight"):
                 destination.add_(1.0)  # Gemma's RMSNorm scales by 1 + w: held as that factor
@@ -477,6 +479,13 @@ class LlamaForCausalLM(nn.Module):
                    for key in sorted(self._parts(target) - loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _pairs_half_apart(self, tensor: torch.Tensor) -> torch.Tensor:
+        """q or k projection rows (weight or bias) with each head's dimensions 0, 2, 4, ..., 1, 3, 5, ...: the
+        interleaved rotary pairs (2i, 2i + 1) become the pairs (i, i + head_dim / 2) the model turns."""
+        head_dim = self.config.head_dim
+        order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+        return tensor.reshape(-1, head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
 
     def _fused(self) -> dict[str, tuple[str, int, int]]:
         """transformers name part -> (our fused tensor's name part, row offset, row count)."""

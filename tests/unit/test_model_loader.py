@@ -103,6 +103,21 @@ def test_mixtures_of_experts_are_read_as_transformers_routes_them():
     olmoe = ModelArchitecture.from_hf_config(tiny_hf_config("olmoe"))
     assert (olmoe.qk_norm, olmoe.qk_norm_over_heads, olmoe.qkv_clip, olmoe.moe.norm_topk_prob) == (True, True, 1.2, False)
     assert ModelArchitecture.from_hf_config(tiny_hf_config("llama")).moe is None
+
+
+def test_attention_biases_are_read_as_each_family_places_them():
+    def biases(kind, **changes):
+        config = tiny_hf_config(kind)
+        for name, value in changes.items():
+            setattr(config, name, value)
+        architecture = ModelArchitecture.from_hf_config(config)
+        return architecture.qkv_bias, architecture.o_bias
+
+    assert biases("llama") == (False, False) and biases("llama", attention_bias=True) == (True, True)
+    assert biases("qwen2") == (True, False) and biases("qwen2_moe") == (True, False)
+    assert biases("qwen2_moe", qkv_bias=False) == (False, False)
+    assert biases("helium") == (True, False) and biases("seed_oss") == (True, False)
+    assert biases("seed_oss", attention_out_bias=True) == (True, True)
     config = tiny_hf_config("mixtral")
     config.num_experts_per_tok = 5
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\], got 5"):

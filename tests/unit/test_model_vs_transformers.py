@@ -19,7 +19,8 @@ BLOCK_SIZE = 8
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3", "gemma2", "mistral",
                                              "phi3", "llama3-rope", "mixtral", "qwen2_moe", "qwen3_moe", "granitemoe",
-                                             "granitemoeshared", "olmoe", "olmo2", "olmo3", "ministral", "exaone4"])
+                                             "granitemoeshared", "olmoe", "olmo2", "olmo3", "ministral", "exaone4",
+                                             "seed_oss", "helium"])
 def tiny_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return path, write_tiny_model(request.param, path)
