@@ -245,11 +245,33 @@ class SparseMoE(nn.Module):
         shared = moe.shared_expert_intermediate_size
         self.shared_expert = MLP(config, fused_ops, shared) if shared else None
         self.shared_expert_gate = Linear(hidden, 1, False, fused_ops) if shared and moe.shared_expert_gated else None
+        # Each expert's (gate/up, down) weights packed for oneDNN (pack), which then replace the stacked ones.
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.experts_gate_up[index], None, self.fused_ops)
-        activated = gated_activation(gate_up, self.moe.intermediate_size, self.gelu, self.fused_ops, in_place=True)
-        return linear(activated, self.experts_down[index], None, self.fused_ops)
+        gate_up = linear(x, *self._weights(index, 0))
+        # oneDNN's packed product copies strided rows first: a dense activation is then no dearer.
+        activated = gated_activation(gate_up, self.moe.intermediate_size, self.gelu, self.fused_ops,
+                                     in_place=self.packed is None)
+        return linear(activated, *self._weights(index, 1))
+
+    def _weights(self, index: int, which: int) -> tuple:
+        """linear()'s weight, bias, ops and packed weight for expert index's gate/up (0) or down (1) product."""
+        if self.packed is not None:
+            return None, None, None, self.packed[index][which]
+        return (self.experts_gate_up, self.experts_down)[which][index], None, self.fused_ops
+
+    def pack(self) -> bool:
+        """Packs every expert's bfloat16 weights for oneDNN (pack_for_onednn), all or none; the stacked weights
+        are let go once they are."""
+        packed = [(pack_for_onednn(self.experts_gate_up[e], None), pack_for_onednn(self.experts_down[e], None))
+                  for e in range(self.moe.num_experts)]
+        if any(w is None for pair in packed for w in pair):
+            return False
+        self.packed = packed
+        self.experts_gate_up = nn.Parameter(self.experts_gate_up.new_empty(0), requires_grad=False)
+        self.experts_down = nn.Parameter(self.experts_down.new_empty(0), requires_grad=False)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
@@ -287,8 +309,8 @@ class SparseMoE(nn.Module):
         """Every expert's two products over x, as if each got x's rows: the linear layers' part of the routed
         experts for the cost probes (executor_svc/costs.py)."""
         for index in range(self.moe.num_experts):
-            gate_up = linear(x, self.experts_gate_up[index], None, self.fused_ops)
-            linear(gate_up[:, : self.moe.intermediate_size], self.experts_down[index], None, self.fused_ops)
+            gate_up = linear(x, *self._weights(index, 0))
+            linear(gate_up[:, : self.moe.intermediate_size], *self._weights(index, 1))
 
 
 class DecoderLayer(nn.Module):
@@ -431,14 +453,18 @@ class LlamaForCausalLM(nn.Module):
     def weight_numel(self) -> int:
         """Weights held: the parameters, a packed layer's as the plain weight it replaced (a tied head's packed copy
         is the embedding table's, counted once)."""
+        config = self.config
+        experts = 3 * config.moe.num_experts * config.moe.intermediate_size * config.hidden_size if config.moe else 0
         return sum(p.numel() for p in self.parameters()) + sum(
-            m.in_features * m.out_features for m in self.modules() if isinstance(m, Linear) and m.packed is not None)
+            m.in_features * m.out_features for m in self.modules() if isinstance(m, Linear) and m.packed is not None
+        ) + sum(experts for m in self.modules() if isinstance(m, SparseMoE) and m.packed is not None)
 
     @torch.no_grad()
     def pack_bfloat16_linears(self) -> tuple[int, int]:
-        """Packs the linear layers' bfloat16 weights for oneDNN (pack_for_onednn), a tied LM head's as a copy beside
-        the embedding table that the lookup reads. Returns (layers packed, layers that kept a plain weight)."""
-        layers = [m for m in self.modules() if isinstance(m, Linear)]
+        """Packs the linear layers' bfloat16 weights for oneDNN (pack_for_onednn), a mixture of experts' experts
+        too, a tied LM head's as a copy beside the embedding table that the lookup reads. Returns (layers packed,
+        layers that kept a plain weight), a mixture's experts counted as one layer."""
+        layers = [m for m in self.modules() if isinstance(m, (Linear, SparseMoE))]
         packed, total = sum(m.pack() for m in layers), len(layers)
         if self.lm_head is None:
             self.packed_head = pack_for_onednn(self.embed_tokens.weight, None)

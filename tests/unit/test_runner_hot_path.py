@@ -112,6 +112,25 @@ def test_a_bfloat16_linear_packed_for_onednn_gives_f_linears_bits_and_lets_its_p
         assert all(torch.equal(layer(x), e) for x, e in zip(inputs, expected))
 
 
+def test_a_bfloat16_mixture_of_experts_packs_its_experts_with_the_same_logits(tmp_path, monkeypatch):
+    from executor_svc.models.llama import LlamaForCausalLM, SparseMoE
+    from tests.conftest import write_tiny_model
+
+    write_tiny_model("qwen2_moe", tmp_path)
+    config, cache = ModelConfig(str(tmp_path), device="cpu", dtype="bfloat16"), CacheConfig(kv_cache_memory=1 << 20)
+    packed = ModelRunner(config, cache)
+    [moe] = [m for m in packed.model.modules() if isinstance(m, SparseMoE)]
+    assert (moe.packed is not None) == onednn_packs_bfloat16()
+    assert (moe.experts_gate_up.numel() == 0) == onednn_packs_bfloat16()
+    monkeypatch.setattr(LlamaForCausalLM, "pack_bfloat16_linears", lambda self: (0, 0))
+    plain = ModelRunner(config, cache)
+    assert plain.model.weight_numel() == packed.model.weight_numel()
+    logits = [runner.step_logits(ExecuteStep([ExecuteRequest("a", list(range(1, 40)), 0, [0, 1, 2], True,
+                                                             SamplingParams(temperature=0), prompt_len=39)]))["a"]
+              for runner in (packed, plain)]
+    assert torch.equal(*logits)
+
+
 def test_a_bfloat16_model_runs_packed_with_the_same_logits_and_a_float32_one_stays_plain(tiny_llama_dir, monkeypatch):
     from executor_svc.models.llama import Linear, LlamaForCausalLM
 
