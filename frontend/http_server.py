@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from frontend.generation import DRAINING, AsyncInbox, ChoiceDelta, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import FrontendMetrics
-from frontend.reasoning import ReasoningStream, split_reasoning
+from frontend.reasoning import KEEPS_SPECIAL_TOKENS, ReasoningStream, split_reasoning
 from frontend.responses import (ResponseEvents, ResponsesError, ResponseStore, chat_messages, chat_tool_choice,
                                 chat_tools, conversation, finished, output_items, text_format)
 from frontend.responses import usage as responses_usage
@@ -515,6 +515,7 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
         if body.logprobs:
             inp.logprobs = body.top_logprobs or 0
+        reasoning = self._reasoning_parser(inp)
         try:
             prompt_ids, params = self._validate(inp, body)
         except APIError as error:
@@ -528,7 +529,6 @@ class OpenAIServer:
             raise
         response_id = f"chatcmpl-{inp.request_id}"
         call = self._call(prompt_ids, params, inp)
-        reasoning = self._reasoning_parser(inp)
         if body.stream:
             chunk = functools.partial(self._chat_chunk,
                                       tool_calls=None if tool_calls is None else tool_calls.stream(),
@@ -554,7 +554,11 @@ class OpenAIServer:
         """The parser that splits the thinking from the answer, where the output is free: structured output
         constrains it from its first token, which leaves no room to think."""
         free = inp.json_schema is None and not inp.json_object and inp.regex is None and inp.choice is None
-        return self.reasoning_parser if free else None
+        if not free or self.reasoning_parser is None:
+            return None
+        if self.reasoning_parser in KEEPS_SPECIAL_TOKENS:
+            inp.skip_special_tokens = False  # the parser reads the tags
+        return self.reasoning_parser
 
     def _plan_tools(self, inp: GenerateInput, tools: list[dict] | None, tool_choice: str | dict | None,
                     parallel_tool_calls: bool):
@@ -596,6 +600,7 @@ class OpenAIServer:
         except ResponsesError as error:
             raise APIError(400, str(error), error.field) from None
         plan = self._plan_tools(inp, tools, tool_choice, body.parallel_tool_calls)
+        reasoning = self._reasoning_parser(inp)
         try:
             prompt_ids, params = self._validate(inp)
         except APIError as error:  # named by this API's fields
@@ -612,7 +617,6 @@ class OpenAIServer:
                     "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}},
                     "store": store, "metadata": body.metadata or {},
                     "previous_response_id": body.previous_response_id}
-        reasoning = self._reasoning_parser(inp)
         call = self._call(prompt_ids, params, inp)
         kept = own if store else None
         if body.stream:

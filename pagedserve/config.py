@@ -388,9 +388,11 @@ class ServingConfig(_Config):
                                           choices=("hermes", "mistral", "llama3_json", "granite", "pythonic"))
     reasoning_parser: str | None = option(None, "splits a reasoning model's thinking (<think>...</think>) from its "
                                                 "answer on the HTTP API, into the message's `reasoning`: `qwen3` "
-                                                "(thinking where the answer opens with <think>) or `deepseek_r1` "
-                                                "(the prompt opens it: the answer thinks until </think>)",
-                                          choices=("qwen3", "deepseek_r1"))
+                                                "(thinking where the answer opens with <think>), `deepseek_r1` "
+                                                "(the prompt opens it: the answer thinks until </think>) or "
+                                                "`mistral` (Magistral: [THINK]...[/THINK] where the answer opens "
+                                                "with it)",
+                                          choices=("qwen3", "deepseek_r1", "mistral"))
     responses_store_size: int = option(1000, "the Responses API's stored responses, for previous_response_id and "
                                              "GET/DELETE /v1/responses/{id}: the newest this many, in each "
                                              "frontend's memory (a follow-up goes to the frontend that served the "

@@ -21,6 +21,10 @@ CASES = [
     ("deepseek_r1", "<think>hm</think>Paris.", "hm", "Paris."),
     ("deepseek_r1", "still thinking when cut", "still thinking when cut", ""),
     ("deepseek_r1", "", None, ""),
+    ("mistral", "[THINK]Paris, surely.[/THINK]Paris.", "Paris, surely.", "Paris."),
+    ("mistral", "Paris.", None, "Paris."),
+    ("mistral", "Paris <think>no</think>", None, "Paris <think>no</think>"),  # another family's tags are text
+    ("mistral", "[THINK]cut [/THI", "cut [/THI", ""),
 ]
 
 
@@ -43,3 +47,16 @@ def test_the_parsers_the_config_offers_are_the_ones_there_are():
     fields = {f.name: f for f in dataclasses.fields(ServingConfig)}
     assert fields["reasoning_parser"].metadata["choices"] == REASONING_PARSERS
     assert fields["tool_call_parser"].metadata["choices"] == tuple(TOOL_CALL_PARSERS)
+
+
+@pytest.mark.parametrize(("parser", "keeps"), [("mistral", True), ("qwen3", False)])
+def test_a_parser_whose_tags_are_special_tokens_keeps_them_in_the_text_it_reads(parser, keeps):
+    from frontend.http_server import OpenAIServer
+    from frontend.validation import GenerateInput
+    from tests.support.http_app import CharTokenizer, NoLink
+
+    server = OpenAIServer(NoLink(), CharTokenizer(), ("m",), max_model_len=64, vocab_size=256, max_prompt_chars=100,
+                          reasoning_parser=parser)
+    free, constrained = GenerateInput(request_id="a"), GenerateInput(request_id="b", json_object=True)
+    assert server._reasoning_parser(free) == parser and free.skip_special_tokens is not keeps
+    assert server._reasoning_parser(constrained) is None and constrained.skip_special_tokens  # no room to think
