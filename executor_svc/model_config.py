@@ -25,7 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool] | None] = {
     # and the logits.
     "gemma2": None,
     # Phi-3 and Phi-4-mini: q/k/v and gate/up stored fused, as this model code holds them; a partial rotary
-    # embedding (partial_rotary_factor) and LongRoPE within the original context.
+    # embedding (partial_rotary_factor) and LongRoPE (its short factors within the original context by default).
     "phi3": (False, False),
     # Mixtures of experts: each token's MLP is the weighted sum of its top-k experts' (SparseMoE in the model).
     "mixtral": (False, False),
@@ -182,6 +182,7 @@ class ModelArchitecture:
     # loading q and k with each head's dimensions reordered to the latter (scores are unchanged by a reordering
     # both share).
     rope_interleaved: bool = False
+    rope_long_factors: bool = False  # LongRoPE's long factors at every position (a context past the original)
 
     @classmethod
     def from_hf_config(cls, hf_config, max_model_len: int | None = None) -> "ModelArchitecture":
@@ -212,21 +213,29 @@ class ModelArchitecture:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError(f"{model_type} with bidirectional attention (an embedding model) is not supported")
-        context_len, why = hf_config.max_position_embeddings, ""
+        context_len = hf_config.max_position_embeddings
         rope = getattr(hf_config, "rope_parameters", None) or {}
+        rope_long_factors = False
+        if max_model_len is not None and not 0 < max_model_len <= context_len:
+            raise ValueError(f"max_model_len must be in [1, {context_len}], got {max_model_len}")
         if rope.get("rope_type") == "longrope":
             # transformers turns a whole sequence to the long factors once it passes the original context (the
-            # cached keys keep the short ones), which a batch of requests at other lengths cannot reproduce:
-            # the short factors, exact within the original context, are served up to it.
+            # cached keys keep the short ones), which a batch of requests at other lengths cannot reproduce. By
+            # default the short factors, exact within the original context, are served up to it; a longer
+            # max_model_len takes the long factors for every position, as vLLM does (exact for sequences past
+            # the original context, not within it).
             original = rope.get("original_max_position_embeddings") or context_len
-            if original < context_len:
-                context_len, why = original, " (LongRoPE is served within original_max_position_embeddings)"
-                if max_model_len is None:
-                    logger.info("%s: LongRoPE served within its original context of %d tokens", model_type, original)
+            if max_model_len is None and original < context_len:
+                context_len = original
+                logger.info("%s: LongRoPE served within its original context of %d tokens (a longer "
+                            "--max-model-len takes its long factors)", model_type, original)
+            rope_long_factors = max_model_len is not None and max_model_len > original
+            if rope_long_factors:
+                logger.warning("%s: LongRoPE's long factors at every position, for a context of %d tokens past "
+                               "the original %d: within the original context outputs differ from transformers' "
+                               "(short factors there)", model_type, max_model_len, original)
         if max_model_len is None:
             max_model_len = context_len
-        elif not 0 < max_model_len <= context_len:
-            raise ValueError(f"max_model_len must be in [1, {context_len}]{why}, got {max_model_len}")
         if model_type in INTERLEAVED_ROPE and model_type in QK_NORM_ARCHITECTURES:
             raise ValueError(f"{model_type}: q/k norms with an interleaved rotary embedding are not supported")
         partial = rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None)) or 1.0
@@ -274,6 +283,7 @@ class ModelArchitecture:
             qk_norm_over_heads=model_type in QK_NORM_OVER_HEADS,
             qkv_clip=_positive(hf_config, "clip_qkv"),
             rope_interleaved=model_type in INTERLEAVED_ROPE,
+            rope_long_factors=rope_long_factors,
         )
 
     def rope_inv_freq(self, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -296,6 +306,8 @@ class ModelArchitecture:
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unsupported rope_type {rope_type!r}")
         kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        if self.rope_long_factors:
+            kwargs["seq_len"] = self.max_model_len  # past the original context: the long factors
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](self.hf_config, "cpu", **kwargs)
         return inv_freq.float(), float(scale)
 

@@ -79,13 +79,18 @@ def test_sliding_windows_are_read_per_layer_as_transformers_applies_them():
         windows("gemma3", layer_types=["chunked_attention", "full_attention"])
 
 
-def test_phi3_turns_part_of_each_head_and_serves_longrope_within_its_original_context():
+def test_phi3_turns_part_of_each_head_and_serves_longrope_within_its_original_context_unless_told():
     phi3 = ModelArchitecture.from_hf_config(tiny_hf_config("phi3"))
     assert (phi3.rotary_dim, phi3.head_dim, phi3.layer_windows) == (8, 16, (48, 48))
     assert phi3.max_model_len == 256  # original_max_position_embeddings, not max_position_embeddings (512)
-    assert ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=100).max_model_len == 100
-    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 256\] \(LongRoPE"):
-        ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=300)
+    assert not phi3.rope_long_factors
+    within = ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=100)
+    assert (within.max_model_len, within.rope_long_factors) == (100, False)
+    past = ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=300)
+    assert (past.max_model_len, past.rope_long_factors) == (300, True)
+    assert not torch.equal(past.rope_inv_freq()[0], phi3.rope_inv_freq()[0])
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 512\], got 513"):
+        ModelArchitecture.from_hf_config(tiny_hf_config("phi3"), max_model_len=513)
 
 
 def test_mixtures_of_experts_are_read_as_transformers_routes_them():

@@ -149,3 +149,15 @@ def test_gemma_scales_its_embeddings_by_sqrt_hidden_rounded_to_the_models_dtype(
     ids = torch.arange(160)
     with torch.no_grad():
         assert torch.equal(runner.model.embed(ids), hf_bf16.model.embed_tokens(ids))
+
+
+def test_longrope_past_its_original_context_takes_the_long_factors_at_every_position(tmp_path):
+    # transformers runs a sequence longer than original_max_position_embeddings (256 here) on the long factors
+    # throughout: so does a server whose max_model_len passes it, at every position of every request.
+    hf_model = write_tiny_model("phi3", tmp_path)
+    runner = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32", max_model_len=512),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
+    tokens = random.Random(5).choices(range(160), k=300)
+    expected = reference_logits(hf_model, tokens)
+    for position, logits in logits_by_chunk(runner, tokens, (100, 1, 150, 48, 1)):
+        assert (logits - expected[position]).abs().max().item() < TOLERANCE, position
