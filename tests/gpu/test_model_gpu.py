@@ -1,6 +1,6 @@
 """The whole model through ModelRunner on CUDA with the CuPy kernels, against transformers on the same GPU.
 
-Random-weight Llama, Qwen2, Qwen3, Gemma 2 and 3, Phi-3 and Qwen2-MoE checkpoints are written here (head sizes the kernels implement: 64
+Random-weight Llama, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, Qwen2-MoE and OLMo 2 checkpoints are written here (head sizes the kernels implement: 64
 and 128; GQA ratios 2, 4 and 7). bfloat16: logits of every step of a mixed batch (a fresh prompt, a prompt fed in
 chunks, a decoding sequence) within bf16 tolerance of transformers in bf16. float32: greedy tokens equal to
 transformers' choices on the same sequence. The runners capture CUDA graphs, so their decode-only steps
@@ -24,8 +24,8 @@ VOCAB = 256
 
 
 def write_model(kind: str, path, seed: int = 0):
-    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config)
+    from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, Olmo2Config,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config)
 
     common = dict(vocab_size=VOCAB, intermediate_size=384, num_hidden_layers=2, max_position_embeddings=1024,
                   eos_token_id=VOCAB - 1, bos_token_id=0)
@@ -63,6 +63,9 @@ def write_model(kind: str, path, seed: int = 0):
         config = Qwen2MoeConfig(**common, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                                 tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
                                 moe_intermediate_size=128, shared_expert_intermediate_size=256, mlp_only_layers=[0])
+    elif kind == "olmo2":  # head_dim 64, norms on each sublayer's output only, q/k norms over the whole projection
+        config = Olmo2Config(**common, hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                             tie_word_embeddings=False, pad_token_id=None)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -79,7 +82,7 @@ def write_model(kind: str, path, seed: int = 0):
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "llama-d128", "qwen3", "gemma3", "gemma2", "phi3",
-                                             "qwen2_moe"])
+                                             "qwen2_moe", "olmo2"])
 def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_model(request.param, path)
