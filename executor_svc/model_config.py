@@ -60,6 +60,10 @@ SLIDING_WINDOW_FLAGGED = frozenset({"qwen2", "qwen3", "smollm3", "qwen2_moe", "q
 QK_NORM_ARCHITECTURES = frozenset({"qwen3", "qwen3_moe", "gemma3_text", "olmoe", "olmo2", "olmo3", "exaone4"})
 # Of those, the ones whose q and k norms take each token's whole projection (weights per head and dimension).
 QK_NORM_OVER_HEADS = frozenset({"olmoe", "olmo2", "olmo3"})
+# Architectures with RMSNorms on each sublayer's output only (OLMo 2's placement).
+POST_NORM_ARCHITECTURES = frozenset({"olmo2", "olmo3", "exaone4"})
+# Architectures whose norms multiply by their weights in float32 and round once (Gemma's, OLMo 2's).
+FLOAT32_NORM_PRODUCTS = frozenset({"gemma2", "gemma3_text", "olmo2", "olmo3"})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -203,7 +207,6 @@ class ModelArchitecture:
             )
         biases = SUPPORTED_ARCHITECTURES[model_type]
         gemma = model_type in ("gemma3_text", "gemma2")
-        olmo2 = model_type in ("olmo2", "olmo3")
         if biases is None:
             qkv_bias = getattr(hf_config, "qkv_bias", None)  # Qwen2-MoE's name for it
             qkv_bias = bool(getattr(hf_config, "attention_bias", False) if qkv_bias is None else qkv_bias)
@@ -271,9 +274,9 @@ class ModelArchitecture:
             residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
             logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
             hidden_act=getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu"),
-            norm_placement="sandwich" if gemma else "post" if olmo2 or model_type == "exaone4" else "pre",
+            norm_placement="sandwich" if gemma else "post" if model_type in POST_NORM_ARCHITECTURES else "pre",
             gemma_norms=gemma,
-            float32_norm_products=gemma or olmo2,
+            float32_norm_products=model_type in FLOAT32_NORM_PRODUCTS,
             layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if model_type in LAYER_TYPE_ROPE else (),
             layer_windows=_layer_windows(hf_config),
             rotary_dim=rotary_dim,

@@ -7,6 +7,7 @@ with (`--enable-auto-tool-choice --tool-call-parser hermes`, or mistral, llama3_
 refused without one."""
 from __future__ import annotations
 
+import abc
 import ast
 import json
 import re
@@ -90,7 +91,7 @@ def _final_delta(delta: dict, message: dict, finish_reason: str | None) -> tuple
     return delta, finish_reason
 
 
-class MarkedToolCalls:
+class MarkedToolCalls(abc.ABC):
     """tool_choice "auto" for models that mark their calls in their own syntax: the text before the first call is
     the message's content, the calls follow. Output that does not parse as calls comes back whole as text:
     nothing the model wrote is dropped. Subclasses name the markers a call begins with and parse the calls."""
@@ -100,9 +101,9 @@ class MarkedToolCalls:
     schema = None  # decoded freely: the model chooses
     skip_special_tokens = False  # the call markers are special tokens in some vocabularies
 
+    @abc.abstractmethod
     def parse(self, text: str) -> list[dict] | None:
         """The calls in text, which begins with a marker; None where they do not parse."""
-        raise NotImplementedError
 
     def start(self, text: str, output_start: bool = True) -> int:
         """Where the first call begins in text, -1 where none does; output_start: text opens the output."""

@@ -400,6 +400,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.fused_ops = fused_ops
         self.packed_head: torch.Tensor | None = None  # a tied head's weight packed for oneDNN
+        self.embedding_scale = config.embedding_multiplier  # as embed() applies it (convert() rounds Gemma's)
 
     def forward(
         self,
@@ -416,15 +417,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The tokens' embeddings, scaled by the embedding multiplier: Gemma's, sqrt(hidden), rounded to the model's
-        dtype first, as transformers rounds it (in bfloat16, gemma-3-1b's 33.94 is 34.0); Granite's as it is."""
+        """The tokens' embeddings, scaled by the embedding multiplier (embedding_scale)."""
         hidden = self.embed_tokens(input_ids)
-        multiplier = self.config.embedding_multiplier
-        if multiplier == 1.0:
-            return hidden
-        if self.config.gemma_norms:
-            multiplier = torch.tensor(multiplier, dtype=hidden.dtype).item()
-        return hidden * multiplier
+        return hidden if self.embedding_scale == 1.0 else hidden * self.embedding_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
@@ -442,13 +437,17 @@ class LlamaForCausalLM(nn.Module):
     def convert(self, dtype: torch.dtype) -> None:
         """The weights to dtype but for what transformers applies in float32: the RoPE tables, and the norm weights
         of models whose norms multiply by them in float32 (Gemma's factors 1 + w, which rounded to dtype would
-        round twice; OLMo 2's)."""
+        round twice; OLMo 2's), and Gemma's embedding scale rounded to dtype."""
         kept = {module: module.weight.detach().clone() for module in self.modules()
                 if isinstance(module, RMSNorm) and self.config.float32_norm_products}
         self.to(dtype)
         self.rotary.float()
         for module, weight in kept.items():
             module.weight = nn.Parameter(weight)
+        # Gemma's sqrt(hidden) rounded to dtype, as transformers rounds it (in bfloat16, gemma-3-1b's 33.94 is
+        # 34.0); Granite's multiplier applies as it is.
+        if self.config.gemma_norms:
+            self.embedding_scale = torch.tensor(self.config.embedding_multiplier, dtype=dtype).item()
 
     def weight_numel(self) -> int:
         """Weights held: the parameters, a packed layer's as the plain weight it replaced (a tied head's packed copy
@@ -474,7 +473,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy transformers-named tensors in, fusing q/k/v and gate/up, and stacking experts, as they arrive."""
-        params = dict(self.named_parameters())
+        params, fused = dict(self.named_parameters()), self._fused()
         loaded: set[str] = set()
         for name, tensor in weights:
             if self.config.vision_language_wrapper:
@@ -485,7 +484,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
-            target, expert, rows = self._destination(name.removeprefix("model."))
+            target, expert, rows = self._destination(name.removeprefix("model."), fused)
             if target not in params or expert is not None and expert >= params[target].shape[0]:
                 raise ValueError(f"unexpected weight {name!r} for a {self.config.model_type} model")
             destination, key = params[target], target
@@ -502,7 +501,7 @@ class LlamaForCausalLM(nn.Module):
                 destination.add_(1.0)  # Gemma's RMSNorm scales by 1 + w: held as that factor
             loaded.add(key)
         missing = [key for target in params if target not in loaded  # whole, fused in the checkpoint already
-                   for key in sorted(self._parts(target) - loaded)]
+                   for key in sorted(self._parts(target, fused) - loaded)]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
@@ -528,7 +527,7 @@ class LlamaForCausalLM(nn.Module):
             "shared_expert.up_proj": ("shared_expert.gate_up_proj", shared, shared),
         }
 
-    def _destination(self, target: str) -> tuple[str, int | None, tuple[int, int] | None]:
+    def _destination(self, target: str, fused: dict) -> tuple[str, int | None, tuple[int, int] | None]:
         """Where a checkpoint tensor goes: (our parameter, its expert or None, its rows (offset, count) or None)."""
         target = target.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for its sparse MLP
         expert = EXPERT_WEIGHT.fullmatch(target)
@@ -541,17 +540,17 @@ class LlamaForCausalLM(nn.Module):
         for theirs, ours in WHOLE_MOE_WEIGHTS.items():
             if target.endswith(theirs):
                 return target.removesuffix(theirs) + ours, None, None
-        for part, (ours, offset, count) in self._fused().items():
+        for part, (ours, offset, count) in fused.items():
             if f".{part}." in target:
                 return target.replace(part, ours), None, (offset, count)
         return target, None, None
 
-    def _parts(self, target: str) -> set[str]:
+    def _parts(self, target: str, fused: dict) -> set[str]:
         """The load keys that together fill our parameter target (load_weights)."""
         moe = self.config.moe
         if target.endswith(".experts_gate_up"):
             return {f"{target}[{e}][{offset}]" for e in range(moe.num_experts) for offset in (0, moe.intermediate_size)}
         if target.endswith(".experts_down"):
             return {f"{target}[{e}]" for e in range(moe.num_experts)}
-        slices = {f"{target}[{offset}]" for ours, offset, _ in self._fused().values() if f".{ours}." in f".{target}"}
+        slices = {f"{target}[{offset}]" for ours, offset, _ in fused.values() if f".{ours}." in f".{target}"}
         return slices or {target}
