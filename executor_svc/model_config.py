@@ -64,6 +64,9 @@ QK_NORM_OVER_HEADS = frozenset({"olmoe", "olmo2", "olmo3"})
 POST_NORM_ARCHITECTURES = frozenset({"olmo2", "olmo3", "exaone4"})
 # Architectures whose norms multiply by their weights in float32 and round once (Gemma's, OLMo 2's).
 FLOAT32_NORM_PRODUCTS = frozenset({"gemma2", "gemma3_text", "olmo2", "olmo3"})
+# Architectures whose attention caps its scores by attn_logit_softcapping (Gemma 3's config has the field too, which
+# its attention in transformers never applies).
+ATTENTION_SOFTCAP_ARCHITECTURES = frozenset({"gemma2"})
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -280,7 +283,8 @@ class ModelArchitecture:
             layer_rope=tuple(getattr(hf_config, "layer_types", None) or ()) if model_type in LAYER_TYPE_ROPE else (),
             layer_windows=_layer_windows(hf_config),
             rotary_dim=rotary_dim,
-            attention_softcap=_positive(hf_config, "attn_logit_softcapping"),
+            attention_softcap=(_positive(hf_config, "attn_logit_softcapping")
+                               if model_type in ATTENTION_SOFTCAP_ARCHITECTURES else None),
             logits_softcap=_positive(hf_config, "final_logit_softcapping"),
             moe=MixtureOfExperts.from_hf_config(hf_config),
             qk_norm_over_heads=model_type in QK_NORM_OVER_HEADS,

@@ -161,3 +161,16 @@ def test_longrope_past_its_original_context_takes_the_long_factors_at_every_posi
     expected = reference_logits(hf_model, tokens)
     for position, logits in logits_by_chunk(runner, tokens, (100, 1, 150, 48, 1)):
         assert (logits - expected[position]).abs().max().item() < TOLERANCE, position
+
+
+def test_gemma3s_attention_leaves_its_configs_softcap_unapplied_as_transformers_does(tmp_path):
+    # Gemma 3's config has attn_logit_softcapping (null in its checkpoints); transformers' Gemma 3 attention never
+    # applies it, and a cap of 1.5 would bend these scores well past the tolerance.
+    hf_model = write_tiny_model("gemma3", tmp_path, attn_logit_softcapping=1.5)
+    runner = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32"),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
+    assert runner.model.config.attention_softcap is None
+    tokens = random.Random(6).choices(range(160), k=60)
+    expected = reference_logits(hf_model, tokens)
+    for position, logits in logits_by_chunk(runner, tokens, (40, 1, 19)):
+        assert (logits - expected[position]).abs().max().item() < TOLERANCE, position
