@@ -36,6 +36,7 @@ from frontend.responses import (ResponseEvents, ResponsesError, ResponseStore, c
 from frontend.responses import usage as responses_usage
 from frontend.tools import ToolError, plan_tool_calls
 from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
+from pagedserve.output.detokenizer import token_utf8
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
 
@@ -46,6 +47,7 @@ MAX_PROMPTS = 256
 # How often a request checks that its client is still connected; what its reader then finds in its inbox.
 DISCONNECT_POLL_S = 0.5
 DISCONNECTED = object()
+CLIENT_CLOSED = 499  # the status of a whole answer that its client left before it was complete (never sent)
 # Served without an API key, as vLLM serves them: a load balancer's health check and a Prometheus scrape.
 OPEN_PATHS = ("/health", "/metrics")
 # Request fields whose name differs on this API from the validation's (GenerateInput's).
@@ -171,6 +173,8 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first (ties by arrival)
+    # vLLM's: the tokenizer's special tokens (a BOS) added to the text; None: yes for a prompt, no for messages.
+    add_special_tokens: bool | None = None
     user: str | None = None
     # vLLM's parameters that this server does not implement: known, so that a value that would change the
     # answer is refused (NOT_IMPLEMENTED_AT) rather than ignored as an unknown field is.
@@ -252,7 +256,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # as generation's: None is yes for a prompt, no for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
@@ -371,10 +375,10 @@ class OpenAIServer:
             if len(body.prompt) > self.max_prompt_chars:
                 raise APIError(400, f"prompt is {len(body.prompt)} characters, at most {self.max_prompt_chars} "
                                     "are accepted", "prompt")
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
             inp = GenerateInput(request_id="tokenize", messages=_messages(body.messages), max_tokens=None,
-                                **_chat_options(body))
+                                add_special_tokens=body.add_special_tokens, **_chat_options(body))
             ids = self._validate(inp)[0]
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self.max_model_len}
 
@@ -408,7 +412,8 @@ class OpenAIServer:
         inp = GenerateInput(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex)
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "min_tokens",
                      "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                     "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority"):
+                     "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority",
+                     "add_special_tokens"):
             setattr(inp, name, getattr(body, name))
         inp.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.response_format is not None and body.response_format.type == "json_object":
@@ -475,7 +480,10 @@ class OpenAIServer:
                 echoed = None
                 if first and part.echo is not None and part.params.prompt_logprobs is not None:
                     echoed = self._echoed_tokens(part.prompt_ids, part.prompt_logprobs)
-                return self._completion_chunk(delta, part.echo if first else None, echoed, part.first_index)
+                start = part.streamed.get(delta.index, 0)
+                out = self._completion_chunk(delta, part.echo if first else None, echoed, part.first_index, start)
+                part.streamed[delta.index] = start + len(out["text"])
+                return out
 
             return self._sse(request, calls, response_id, inp.request_id,
                              [functools.partial(chunk, part) for part in parts], "text_completion", body.stream_options)
@@ -609,7 +617,8 @@ class OpenAIServer:
                 param = "tools"
             message = str(error).removeprefix(f"{error.param}: ")
             raise APIError(400, message if message.startswith(param) else f"{param}: {message}", param) from None
-        response = {"id": f"resp_{inp.request_id}", "object": "response", "created_at": int(time.time()),
+        # A fresh id, not the client's X-Request-Id (reusable once its request ends): the store is keyed by it.
+        response = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                     "status": "in_progress", "model": self.model_name, "output": [], "usage": None, "error": None,
                     "incomplete_details": None, "instructions": body.instructions,
                     "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
@@ -711,15 +720,21 @@ class OpenAIServer:
                     yield call.process(output)
         except GenerateError as error:
             raise APIError(ERROR_STATUS[error.kind], str(error)) from None
+        except Exception as error:  # this server's fault: a stream then ends with an error event, not in silence
+            logger.exception("generation failed")
+            raise APIError(500, f"internal error: {type(error).__name__}") from None
         finally:
             watcher.cancel()
             call.close()
 
     async def _collect(self, request: Request, calls: list[GenerateCall]) -> list[list[ChoiceDelta]]:
         """Each call's deltas, the calls run side by side; one that fails stops the others (their calls are
-        aborted) and its error is raised."""
+        aborted) and its error is raised. A client gone before the end gets no answer (nginx's 499)."""
         async def collect(call: GenerateCall) -> list[ChoiceDelta]:
-            return [delta async for delta in self._deltas(request, call)]
+            deltas = [delta async for delta in self._deltas(request, call)]
+            if not call.finished:
+                raise APIError(CLIENT_CLOSED, "the client disconnected before the answer was complete")
+            return deltas
 
         if len(calls) == 1:
             return [await collect(calls[0])]
@@ -802,10 +817,10 @@ class OpenAIServer:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 
     def _completion_chunk(self, delta: ChoiceDelta, echo: str | None, echoed: list[SampledToken] | None,
-                          first_index: int) -> dict:
+                          first_index: int, text_offset: int) -> dict:
         tokens = (echoed or []) + (delta.logprobs or [])
         return {"index": first_index + delta.index, "text": (echo or "") + delta.text,
-                "logprobs": self._completion_logprobs(tokens) if tokens else None,
+                "logprobs": self._completion_logprobs(tokens, text_offset) if tokens else None,
                 "finish_reason": delta.finish_reason}
 
     @staticmethod
@@ -838,9 +853,10 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _completion_logprobs(self, tokens) -> dict:
+    def _completion_logprobs(self, tokens, text_offset: int = 0) -> dict:
+        """OpenAI's logprobs of a completion, text_offset (where the choice's text so far ends) its first offset."""
         texts = [self._token_text(t.token_id) for t in tokens]
-        offsets, at = [], 0
+        offsets, at = [], text_offset
         for text in texts:
             offsets.append(at)
             at += len(text)
@@ -855,7 +871,8 @@ class OpenAIServer:
     def _chat_logprobs(self, tokens) -> list[dict]:
         def entry(token_id: int, logprob: float) -> dict:
             text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            data = token_utf8(self.tokenizer, token_id)  # a part of a character: its own bytes, not U+FFFD's
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode() if data is None else data)}
 
         return [{**entry(t.token_id, t.logprob),
                  "top_logprobs": [entry(i, lp) for i, lp in zip(t.top_token_ids, t.top_logprobs)]}
@@ -906,6 +923,8 @@ class _CompletionPart:
     echo: str | None  # the prompt's text, with echo
     first_index: int
     prompt_logprobs: list[SampledToken] | None = None  # choice 0's, as they come (echo while streaming)
+    # While streaming: the characters each choice has sent so far, where its next chunk's text_offset starts.
+    streamed: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def _sum_usage(usages: list[dict]) -> dict:

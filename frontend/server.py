@@ -198,6 +198,7 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         cache_salt=request.cache_salt or None,
         priority=request.priority,
+        add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
     )
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens",
                  "repetition_penalty", "json_schema", "n", "prompt_logprobs", "regex"):

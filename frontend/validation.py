@@ -37,6 +37,9 @@ class GenerateInput:
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     tools: list[dict] | None = None  # OpenAI's function definitions, for the template
+    # The tokenizer's special tokens (a BOS) added to the text; None: yes for a prompt, no for messages (their
+    # template writes its own), as vLLM's completion and chat APIs default.
+    add_special_tokens: bool | None = None
     # Sampling and stopping, with SamplingParams's defaults; max_tokens None: up to the context.
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -71,12 +74,10 @@ def validate_and_tokenize(
     tokenizer: Any,
     max_model_len: int,
     vocab_size: int,
-    add_special_tokens: bool = False,
     max_prompt_chars: int | None = None,
 ) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids and the request's SamplingParams, or a ValidationError.
 
-    ``add_special_tokens`` applies to plain-text prompts; a chat template adds its own markers.
     ``max_prompt_chars`` bounds a text prompt (or the messages' contents together) before it is tokenized,
     and prompt_token_ids by the context length, so that an oversized prompt costs nothing.
     """
@@ -85,7 +86,7 @@ def validate_and_tokenize(
     _check_prompt_size(inp, max_prompt_chars, max_model_len)
     # Cheap checks first: a bad temperature should not cost a chat template and a tokenization.
     params = _sampling_params(inp, vocab_size)
-    prompt_ids = _prompt_token_ids(inp, tokenizer, vocab_size, add_special_tokens)
+    prompt_ids = _prompt_token_ids(inp, tokenizer, vocab_size)
     if len(prompt_ids) >= max_model_len:
         raise ValidationError(
             "prompt", f"prompt is {len(prompt_ids)} tokens, the context holds {max_model_len} "
@@ -96,6 +97,11 @@ def validate_and_tokenize(
         raise ValidationError(
             "max_tokens", f"max_tokens ({params.max_tokens}) plus the prompt's {len(prompt_ids)} "
             f"tokens exceeds the context length ({max_model_len})",
+        )
+    if len(prompt_ids) + params.min_tokens > max_model_len:  # max_tokens unset: the context's room must hold it
+        raise ValidationError(
+            "min_tokens", f"min_tokens ({params.min_tokens}) plus the prompt's {len(prompt_ids)} tokens exceeds the "
+            f"context length ({max_model_len})",
         )
     return prompt_ids, params
 
@@ -124,7 +130,9 @@ def _check_prompt_size(inp: GenerateInput, max_prompt_chars: int | None, max_mod
         raise ValidationError(
             "prompt", f"prompt is {len(inp.prompt)} characters, at most {max_prompt_chars} are accepted")
     if max_prompt_chars is not None and isinstance(inp.messages, list):
-        chars = sum(len(m["content"]) for m in inp.messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+        # Roles too: the template renders each message's, so that many empty messages count as well.
+        chars = sum(len(m[key]) for m in inp.messages if isinstance(m, dict)
+                    for key in ("role", "content") if isinstance(m.get(key), str))
         if chars > max_prompt_chars:
             raise ValidationError(
                 "messages", f"messages hold {chars} characters, at most {max_prompt_chars} are accepted")
@@ -177,6 +185,8 @@ def _check_grammar(params: SamplingParams) -> None:
             json.loads(source)
         except ValueError as e:
             raise ValidationError("json_schema", f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValidationError("json_schema", "json_schema is nested too deeply") from None
     import xgrammar  # only structured requests pay for the import
 
     build = {"json_schema": xgrammar.Grammar.from_json_schema, "regex": xgrammar.Grammar.from_regex,
@@ -191,7 +201,7 @@ def _check_grammar(params: SamplingParams) -> None:
         raise ValidationError(field, f"{field} is not usable: {reason}") from None
 
 
-def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_special_tokens: bool) -> list[int]:
+def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int) -> list[int]:
     given = [name for name in ("prompt", "prompt_token_ids", "messages") if getattr(inp, name) is not None]
     if len(given) != 1:
         raise ValidationError(
@@ -201,7 +211,7 @@ def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_s
     if inp.prompt is not None:
         if not isinstance(inp.prompt, str) or not inp.prompt:
             raise ValidationError("prompt", "prompt must be a non-empty string")
-        ids = list(tokenizer.encode(inp.prompt, add_special_tokens=add_special_tokens))
+        ids = list(tokenizer.encode(inp.prompt, add_special_tokens=inp.add_special_tokens is not False))
     elif inp.prompt_token_ids is not None:
         ids = inp.prompt_token_ids
         if not isinstance(ids, list) or not ids:
@@ -226,7 +236,7 @@ def _prompt_token_ids(inp: GenerateInput, tokenizer: Any, vocab_size: int, add_s
             raise ValidationError(e.field, str(e)) from None
         except ChatTemplateRejected as e:
             raise ValidationError("messages", f"messages rejected by the chat template: {e}") from None
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        ids = list(tokenizer.encode(text, add_special_tokens=bool(inp.add_special_tokens)))
     if not ids:
         raise ValidationError("prompt", "prompt tokenizes to no tokens")
     if max(ids) >= vocab_size:

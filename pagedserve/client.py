@@ -23,13 +23,16 @@ class Completion:
 def build_request(prompt=None, *, prompt_token_ids=None, messages=None, request_id: str = "",
                   cache_salt: str = "", priority: int = 0, add_generation_prompt: bool | None = None,
                   continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                  tools: list[dict] | None = None, **sampling) -> generate_pb2.GenerateRequest:
+                  tools: list[dict] | None = None, add_special_tokens: bool | None = None,
+                  **sampling) -> generate_pb2.GenerateRequest:
     """A Generate request; the chat options and tools apply to messages (generate.proto's ChatMessages), each
-    message a dict of ChatMessage's fields."""
+    message a dict of ChatMessage's fields. add_special_tokens None: the server's default for the input."""
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields: {sorted(unknown)}")
     request = generate_pb2.GenerateRequest(request_id=request_id, cache_salt=cache_salt, priority=priority)
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
     if prompt is not None:
         request.prompt = prompt
     if prompt_token_ids is not None:

@@ -43,8 +43,8 @@ def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | N
     out.top_p = params.top_p
     out.top_k = params.top_k
     out.min_p = params.min_p
-    if params.seed is not None:
-        out.seed = params.seed
+    if params.seed is not None:  # an unsigned one as the int64 of the same bits, all the sampler reads
+        out.seed = params.seed - (1 << 64) if params.seed >= 1 << 63 else params.seed
     if params.max_tokens is not None:
         out.max_tokens = params.max_tokens
     out.min_tokens = params.min_tokens

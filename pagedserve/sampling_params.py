@@ -22,6 +22,10 @@ MAX_CHOICES = 256
 MAX_N = 16
 # Seeds are int64 on the wire.
 SEED_MODULUS = 1 << 63
+# The integers the wire holds: int32, and for a seed int64 or the unsigned 64 bits it stands for (the sampler
+# reads only the bits).
+INT32_RANGE = (-(1 << 31), 1 << 31)
+SEED_RANGE = (-(1 << 63), 1 << 64)
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by a temperature of 1e-38 would
 # overflow them to infinities, whose softmax is NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -80,7 +84,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_int("seed", self.seed, SEED_RANGE)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
@@ -151,7 +155,7 @@ class SamplingParams:
         bias = {}
         for token_id, value in self.logit_bias.items():
             # JSON object keys are strings: OpenAI's clients send {"50256": -100}.
-            if isinstance(token_id, str) and token_id.isdigit():
+            if isinstance(token_id, str) and token_id.isascii() and token_id.isdigit():  # not "²", not "١٢"
                 token_id = int(token_id)
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
@@ -211,6 +215,11 @@ def _check_bool(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _check_int(name: str, value: object) -> None:
+def _check_int(name: str, value: object, bounds: tuple[int, int] = INT32_RANGE) -> None:
+    """An integer within [low, high): what its field on the wire holds, so that the services never meet one
+    protobuf cannot."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    low, high = bounds
+    if not low <= value < high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}), got {value}")

@@ -188,8 +188,10 @@ class LLM:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [render_chat(self.tokenizer, list(messages), add_generation_prompt, continue_final_message,
-                               chat_template_kwargs, tools) for messages in conversations]
+        # Token ids, not text: the template writes its own special tokens, which generate() would add again.
+        prompts = [self.tokenizer.encode(render_chat(self.tokenizer, list(messages), add_generation_prompt,
+                                                     continue_final_message, chat_template_kwargs, tools),
+                                         add_special_tokens=False) for messages in conversations]
         return self.generate(prompts, sampling_params)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -198,7 +200,7 @@ class LLM:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)  # with the tokenizer's special tokens (a BOS), as vLLM's
         token_ids = list(prompt)
         vocab_size = self.runner.config.vocab_size
         for token_id in token_ids:

@@ -150,6 +150,15 @@ def _fast_backend(tokenizer: Any) -> Tokenizer | None:
     return None
 
 
+def token_utf8(tokenizer: Any, token_id: int) -> bytes | None:
+    """The UTF-8 bytes a byte-level BPE token stands for, a part of a character included (what OpenAI's logprobs
+    report as its bytes, which its decoded text, a replacement character, would lose); None for another kind of
+    tokenizer."""
+    backend = _fast_backend(tokenizer)
+    table = token_bytes(backend, False) if backend is not None else None
+    return None if table is None else table.bytes(token_id)
+
+
 def prepare(tokenizer: Any) -> None:
     """Makes the tokenizer's byte-level tables now (a tenth of a second each) rather than in its first call."""
     backend = _fast_backend(tokenizer)

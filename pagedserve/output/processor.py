@@ -43,7 +43,9 @@ class RequestOutputState:
 
     Completion tokens are counted as fed, so after a stop-string match they are the tokens up to and
     including the one that completed it. Without a tokenizer (a checkpoint given as token ids only)
-    the text stays empty and stop strings are refused.
+    the text stays empty and stop strings are refused. As vLLM: the token that stopped the request (EOS or a
+    stop token id) counts but adds no text unless include_stop_str_in_output; stop strings are looked for
+    from the token after min_tokens on.
     """
 
     def __init__(self, tokenizer: Any | None, prompt_token_ids: list[int], params: SamplingParams):
@@ -54,6 +56,8 @@ class RequestOutputState:
             if tokenizer is not None else None
         )
         self.stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.include_stop_token_text = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_output_tokens = 0
 
@@ -76,11 +80,14 @@ class RequestOutputState:
         self.num_output_tokens += len(new_token_ids)
         text = ""
         if self.detokenizer is not None:
-            text = self.detokenizer.add_tokens(new_token_ids)
+            shown = new_token_ids
+            if finish_reason == "stop" and not self.include_stop_token_text:  # the scheduler's: EOS or a stop id
+                shown = new_token_ids[:-1]
+            text = self.detokenizer.add_tokens(shown)
             if finish_reason is not None:
                 text += self.detokenizer.finish()
         abort = False
-        if self.stops is not None:
+        if self.stops is not None and self.num_output_tokens > self.min_tokens:
             text, matched = self.stops.feed(text)
             if matched:
                 # Also when the scheduler ended the request in this same step: the text was cut at

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1apagedserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x80\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12.\n\ntool_calls\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.ListValue\"\xfc\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12)\n\x05tools\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.ListValueB\x18\n\x16_add_generation_prompt\"\xfd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x94\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x12\n\x10ModelInfoRequest\"E\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x32\xa6\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1apagedserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x80\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12.\n\ntool_calls\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.ListValue\"\xfc\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12)\n\x05tools\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.ListValueB\x18\n\x16_add_generation_prompt\"\xb5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\x94\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x12\n\x10ModelInfoRequest\"E\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x32\xa6\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12I\n\x0cGetModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,15 +40,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=262
   _globals['_CHATMESSAGES']._serialized_end=514
   _globals['_GENERATEREQUEST']._serialized_start=517
-  _globals['_GENERATEREQUEST']._serialized_end=770
-  _globals['_USAGE']._serialized_start=772
-  _globals['_USAGE']._serialized_end=829
-  _globals['_GENERATERESPONSE']._serialized_start=832
-  _globals['_GENERATERESPONSE']._serialized_end=1108
-  _globals['_MODELINFOREQUEST']._serialized_start=1110
-  _globals['_MODELINFOREQUEST']._serialized_end=1128
-  _globals['_MODELINFO']._serialized_start=1130
-  _globals['_MODELINFO']._serialized_end=1199
-  _globals['_GENERATION']._serialized_start=1202
-  _globals['_GENERATION']._serialized_end=1368
+  _globals['_GENERATEREQUEST']._serialized_end=826
+  _globals['_USAGE']._serialized_start=828
+  _globals['_USAGE']._serialized_end=885
+  _globals['_GENERATERESPONSE']._serialized_start=888
+  _globals['_GENERATERESPONSE']._serialized_end=1164
+  _globals['_MODELINFOREQUEST']._serialized_start=1166
+  _globals['_MODELINFOREQUEST']._serialized_end=1184
+  _globals['_MODELINFO']._serialized_start=1186
+  _globals['_MODELINFO']._serialized_end=1255
+  _globals['_GENERATION']._serialized_start=1258
+  _globals['_GENERATION']._serialized_end=1424
 # @@protoc_insertion_point(module_scope)

@@ -87,6 +87,27 @@ def test_a_chat_template_given_as_a_file_replaces_the_tokenizers(tiny_model_with
         assert llm.tokenizer.decode(result.prompt_token_ids) == "<user>Hi<assistant>"
 
 
+def test_a_bos_adding_tokenizer_puts_its_bos_on_text_prompts_once_and_not_on_top_of_a_chat_template(tmp_path):
+    """A base model expects its BOS before a text prompt, as transformers' and vLLM's tokenization put it; a chat
+    template writes its own, which must not be doubled."""
+    from transformers import AutoTokenizer
+
+    from executor_svc.model_loader import resolve_model_dir
+    from tests.conftest import write_tiny_model
+
+    write_tiny_model("llama", tmp_path, vocab_size=49152)  # the tokenizer's ids
+    AutoTokenizer.from_pretrained(resolve_model_dir("default"), add_bos_token=True).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory=1 << 20)
+    tokenizer, params = llm.tokenizer, SamplingParams(temperature=0, max_tokens=1)
+    [text] = llm.generate("Hello world", params)
+    assert text.prompt_token_ids == [tokenizer.bos_token_id] + tokenizer.encode("Hello world", add_special_tokens=False)
+    [chat] = llm.chat([{"role": "user", "content": "Hi"}], params)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                             tokenize=False)
+    assert rendered.startswith(tokenizer.bos_token)
+    assert chat.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+
+
 def test_results_come_back_in_input_order_for_text_and_token_prompts(smollm2):
     token_prompt = smollm2.tokenizer.encode("The capital of France is")
     params = SamplingParams(temperature=0, max_tokens=5)

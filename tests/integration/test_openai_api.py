@@ -287,6 +287,11 @@ def test_stored_responses_continue_their_conversation_and_can_be_read_and_delete
     openai_client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         openai_client.responses.retrieve(first.id)
+    # An X-Request-Id may come again once its request has ended: each response keeps an id of its own.
+    same = [openai_client.responses.create(model=MODEL, input=text, temperature=0, max_output_tokens=4,
+                                           extra_headers={"X-Request-Id": "again"}) for text in ("Hi", "Bye")]
+    assert same[0].id != same[1].id
+    assert [openai_client.responses.retrieve(r.id).output_text for r in same] == [r.output_text for r in same]
 
 
 def test_reasoning_splits_from_the_answer(openai_client, grpc_client):
@@ -332,6 +337,8 @@ def test_echo_with_logprobs_streams_the_prompts_logprobs_first_for_every_choice(
         streamed = [lp for c in mine for lp in c.logprobs.token_logprobs]
         assert streamed[0] is None and streamed[1:] == pytest.approx(choice.logprobs.token_logprobs[1:])
         assert len(mine[0].logprobs.tokens) == num_prompt + 1, "the prompt's logprobs come with the first chunk"
+        # Offsets into the choice's whole text, not restarting with each chunk (ASCII here: one per character).
+        assert [o for c in mine for o in c.logprobs.text_offset] == choice.logprobs.text_offset
 
 
 def test_echo_with_no_tokens_scores_the_prompt_alone(openai_client, tokenizer):
@@ -371,6 +378,9 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 10**6}, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "stop": 3}, "stop"),
+    # Numbers wider than their fields on the wire.
+    ("/v1/completions", {"prompt": PROMPT, "top_k": 1 << 31}, "top_k"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": 1 << 64}, "seed"),
     ("/v1/completions", {"prompt": PROMPT, "stop_token_ids": [10**7]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": PROMPT, "presence_penalty": 3}, "presence_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty"),

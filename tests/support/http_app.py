@@ -11,6 +11,9 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
 
 class NoLink:
     def submit(self, *args, **kwargs):

@@ -94,10 +94,10 @@ def test_stop_string_completed_by_the_last_token_wins_over_length(tok, prompt_id
 def test_unmatched_stop_prefix_is_held_back_then_released_at_the_end(tok, prompt_ids):
     text = TEXT[:TEXT.index(STOP) + 4]  # ends with "\nObs", the start of the stop string
     ids = tok.encode(text, add_special_tokens=False)
-    deltas = feed(RequestOutputState(tok, prompt_ids, SamplingParams(stop=[STOP])), ids, "stop")
+    deltas = feed(RequestOutputState(tok, prompt_ids, SamplingParams(stop=[STOP])), ids, "length")
     assert not "".join(d.text for d in deltas[:-1]).endswith("\nObs")
     assert "".join(d.text for d in deltas) == text
-    assert (deltas[-1].finish_reason, deltas[-1].abort) == ("stop", False)
+    assert (deltas[-1].finish_reason, deltas[-1].abort) == ("length", False)
 
 
 def test_stop_string_in_the_prompt_is_not_matched(tok):
@@ -110,9 +110,34 @@ def test_stop_string_in_the_prompt_is_not_matched(tok):
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_skip_special_tokens(tok, prompt_ids, skip):
-    ids = tok.encode("Hi", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
-    deltas = feed(RequestOutputState(tok, prompt_ids, SamplingParams(skip_special_tokens=skip)), ids, "stop")
-    assert "".join(d.text for d in deltas) == ("Hi" if skip else "Hi<|im_end|>")
+    special = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("Hi", add_special_tokens=False) + [special] + tok.encode(" there", add_special_tokens=False)
+    deltas = feed(RequestOutputState(tok, prompt_ids, SamplingParams(skip_special_tokens=skip)), ids)
+    assert "".join(d.text for d in deltas) == ("Hi there" if skip else "Hi<|im_end|> there")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_token_that_stopped_the_request_shows_its_text_only_when_asked(tok, prompt_ids, include):
+    """As vLLM: EOS or a stop token id ends the request counted (usage, token ids) but, unless
+    include_stop_str_in_output, without its text, whether or not it is a special token."""
+    for stop_token in (tok.convert_tokens_to_ids("<|im_end|>"), tok.encode(",", add_special_tokens=False)[0]):
+        ids = tok.encode("Hi", add_special_tokens=False) + [stop_token]
+        params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include)
+        deltas = feed(RequestOutputState(tok, prompt_ids, params), ids, "stop")
+        assert "".join(d.text for d in deltas) == tok.decode(ids if include else ids[:-1])
+        assert deltas[-1].usage.completion_tokens == len(ids)
+
+
+def test_stop_strings_count_from_the_token_after_min_tokens(tok, prompt_ids):
+    """As vLLM: the text of the first min_tokens tokens is never cut at a stop string."""
+    ids = tok.encode("Hi, Hi, Hi, Hi", add_special_tokens=False)
+    first_comma = tok.decode(ids).index(",")
+    deltas = feed(RequestOutputState(tok, prompt_ids, SamplingParams(stop=[","])), ids)
+    assert "".join(d.text for d in deltas) == "Hi" and deltas[-1].finish_reason == "stop" and first_comma == 2
+    deltas = feed(RequestOutputState(tok, prompt_ids, SamplingParams(stop=[","], min_tokens=3)), ids)
+    text = "".join(d.text for d in deltas)
+    assert text == tok.decode(ids[:3]) + tok.decode(ids)[len(tok.decode(ids[:3])):].split(",")[0]
+    assert deltas[-1].finish_reason == "stop" and len(deltas) > 3
 
 
 def test_without_a_tokenizer_tokens_are_counted_and_stop_strings_refused():

@@ -212,6 +212,14 @@ def test_default_sampling_fields_take_vllm_defaults():
         assert convert.sampling_from_proto(convert.sampling_to_proto(structured)) == structured
 
 
+def test_a_seed_travels_as_its_64_bits_which_seed_the_sampler_alike():
+    from executor_svc.sampler import mix_seed
+
+    for seed, wire in [((1 << 64) - 1, -1), (1 << 63, -(1 << 63)), ((1 << 63) - 1, (1 << 63) - 1), (-5, -5)]:
+        back = convert.sampling_from_proto(convert.sampling_to_proto(SamplingParams(seed=seed)))
+        assert back.seed == wire and mix_seed(back.seed, 7) == mix_seed(seed, 7)
+
+
 def test_a_negative_lookahead_is_refused_by_name():
     message = convert.block_step_request_to_proto(BlockStepRequest(step_id=1))
     message.lookahead_slots = -1

@@ -24,6 +24,9 @@ def test_defaults_are_vllms():
     ("ignore_eos", 1), ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", 1.0),
     ("stop", "STOP"), ("stop", [""]), ("stop", ["ok", 3]), ("stop", ["s"] * (MAX_STOP_STRINGS + 1)),
     ("include_stop_str_in_output", 1), ("skip_special_tokens", "yes"),
+    # Wider than the field on the wire (int32; the seed int64).
+    ("top_k", 1 << 31), ("seed", 1 << 64), ("seed", -(1 << 63) - 1), ("stop_token_ids", [1 << 31]),
+    ("logit_bias", {"\u00b2": 1.0}), ("logit_bias", {"\u0661\u0662": 1.0}),  # digits, not ASCII ones
     ("regex", ""), ("regex", 5), ("choice", []), ("choice", ["a", ""]), ("choice", "ab"), ("choice", ["a"] * 257),
 ])
 def test_bad_values_name_their_field(field, value):

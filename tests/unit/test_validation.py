@@ -52,6 +52,7 @@ BAD = [
     ("tools", dict(messages=USER, tools=[{"type": "function", "function": {}}])),
     ("max_tokens", dict(max_tokens=0)),
     ("max_tokens", dict(max_tokens=MAX_MODEL_LEN)),  # prompt + max_tokens > context
+    ("min_tokens", dict(max_tokens=None, min_tokens=MAX_MODEL_LEN)),  # up to the context, which cannot hold it
     ("temperature", dict(temperature=-0.1)),
     ("temperature", dict(temperature=math.nan)),
     ("temperature", dict(temperature=math.inf)),
@@ -162,14 +163,21 @@ def test_limits_accepted_at_the_edge(tok):
     validate(tok, request_id="r" * 256, stop=["s"] * 16, logprobs=20, top_p=1.0, min_p=1.0, top_k=-1, cache_salt="salt")
 
 
-def test_add_special_tokens_is_configurable():
+def test_special_tokens_go_on_a_prompt_not_on_rendered_messages_unless_asked():
+    """As vLLM's completion and chat APIs: a BOS-adding tokenizer gets its BOS on a text prompt (a base model
+    expects it), not on a chat template's text, which writes its own."""
     class BosTokenizer:
         def encode(self, text, add_special_tokens):
             return ([1] if add_special_tokens else []) + [ord(c) for c in text]
 
-    inp = GenerateInput(request_id="r", prompt="ab")
-    assert validate_and_tokenize(inp, BosTokenizer(), 64, 256)[0] == [97, 98]
-    assert validate_and_tokenize(inp, BosTokenizer(), 64, 256, add_special_tokens=True)[0] == [1, 97, 98]
+        def apply_chat_template(self, messages, **options):
+            return "".join(m["content"] for m in messages)
+
+    def ids(**fields):
+        return validate_and_tokenize(GenerateInput(request_id="r", **fields), BosTokenizer(), 64, 256)[0]
+
+    assert ids(prompt="ab") == [1, 97, 98] and ids(prompt="ab", add_special_tokens=False) == [97, 98]
+    assert ids(messages=USER) == [104, 105] and ids(messages=USER, add_special_tokens=True) == [1, 104, 105]
 
 
 def test_chat_template_rejection_becomes_a_messages_error():
@@ -193,6 +201,7 @@ class _MustNotTokenize:
     ("prompt", dict(prompt="x" * (10 << 20))),
     ("prompt", dict(prompt="é" * 1001)),
     ("messages", dict(messages=[{"role": "user", "content": "a" * 600}, {"role": "user", "content": "b" * 401}])),
+    ("messages", dict(messages=[{"role": "user", "content": ""}] * 251)),  # the roles count: 251 x "user"
     ("prompt", dict(prompt_token_ids=[1] * (10 << 20))),
 ])
 def test_an_oversized_prompt_is_refused_before_tokenizing(field, fields):
@@ -225,6 +234,12 @@ def test_an_unusable_grammar_is_refused_with_xgrammars_reason_alone(tok, field, 
     assert info.value.field == field
     # Not xgrammar's time stamp and source line, which it puts before the reason.
     assert str(info.value).startswith(f"{field} is not usable: {reason}"), str(info.value)
+
+
+def test_a_schema_nested_beyond_the_json_parsers_depth_is_a_bad_request(tok):
+    with pytest.raises(ValidationError, match="^json_schema is nested too deeply") as info:
+        validate(tok, json_schema='{"items": ' * 5000 + "{}" + "}" * 5000)
+    assert info.value.field == "json_schema"
 
 
 def test_chat_options_render_the_conversation_as_the_template_does(tok):
