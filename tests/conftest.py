@@ -93,12 +93,16 @@ def tiny_hf_config(kind: str, vocab_size: int = 160, max_position_embeddings: in
     raise ValueError(kind)
 
 
-def write_tiny_model(kind: str, path, seed: int = 0, **config_overrides):
-    """Saves a random-weight transformers model (biases and per-head q/k norms randomised too) and returns it."""
+def write_tiny_model(kind: str, path, seed: int = 0, edit_config=None, **config_overrides):
+    """Saves a random-weight transformers model (biases and per-head q/k norms randomised too) and returns it;
+    edit_config, if given, changes the kind's config first (a field of that kind alone)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind, **config_overrides), dtype=torch.float32).eval()
+    config = tiny_hf_config(kind, **config_overrides)
+    if edit_config is not None:
+        edit_config(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):  # zero at init: randomise so a dropped bias shows

@@ -365,6 +365,9 @@ LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language
 
 # One expert's matrix as checkpoints store it: Mixtral's w1/w3/w2 (gate, up, down), Qwen-MoE's by name.
 EXPERT_WEIGHT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+# Qwen2-MoE's shared expert and its gate, which transformers saves (the expert as empty tensors) when the config
+# sizes the expert 0.
+_EMPTY_SHARED_EXPERT = re.compile(r"\.mlp\.shared_expert(_gate)?\.")
 # Mixture-of-experts tensors that load whole -> ours: the stacked experts as transformers names them (its
 # state_dict), and Granite MoE checkpoints' stacked experts, router and shared MLP (gate and up stored fused).
 WHOLE_MOE_WEIGHTS = {
@@ -484,6 +487,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
+            if _EMPTY_SHARED_EXPERT.search(name) and self.config.moe and not self.config.moe.shared_expert_intermediate_size:
+                if tensor.numel() and "shared_expert_gate" not in name:
+                    raise ValueError(f"weight {name!r} of a shared expert that the config sizes 0")
+                continue  # a shared expert of size 0 adds nothing; its gate scales that nothing
             target, expert, rows = self._destination(name.removeprefix("model."), fused)
             if target not in params or expert is not None and expert >= params[target].shape[0]:
                 raise ValueError(f"unexpected weight {name!r} for a {self.config.model_type} model")

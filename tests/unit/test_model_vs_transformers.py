@@ -174,3 +174,15 @@ def test_gemma3s_attention_leaves_its_configs_softcap_unapplied_as_transformers_
     expected = reference_logits(hf_model, tokens)
     for position, logits in logits_by_chunk(runner, tokens, (40, 1, 19)):
         assert (logits - expected[position]).abs().max().item() < TOLERANCE, position
+
+
+def test_a_qwen2_moe_shared_expert_sized_0_loads_and_adds_nothing_as_in_transformers(tmp_path):
+    # transformers saves the expert as empty tensors, and its gate, which scales the expert's nothing.
+    hf_model = write_tiny_model("qwen2_moe", tmp_path,
+                                edit_config=lambda config: setattr(config, "shared_expert_intermediate_size", 0))
+    runner = ModelRunner(ModelConfig(str(tmp_path), device="cpu", dtype="float32"),
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=1 << 20))
+    tokens = random.Random(7).choices(range(160), k=40)
+    expected = reference_logits(hf_model, tokens)
+    for position, logits in logits_by_chunk(runner, tokens, (30, 1, 9)):
+        assert (logits - expected[position]).abs().max().item() < TOLERANCE, position
