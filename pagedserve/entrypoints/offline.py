@@ -189,9 +189,9 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         # Token ids, not text: the template writes its own special tokens, which generate() would add again.
-        prompts = [self.tokenizer.encode(render_chat(self.tokenizer, list(messages), add_generation_prompt,
-                                                     continue_final_message, chat_template_kwargs, tools),
-                                         add_special_tokens=False) for messages in conversations]
+        prompts = [self._encode(render_chat(self.tokenizer, list(messages), add_generation_prompt,
+                                            continue_final_message, chat_template_kwargs, tools),
+                                add_special_tokens=False) for messages in conversations]
         return self.generate(prompts, sampling_params)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -200,7 +200,7 @@ class LLM:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
-            return self.tokenizer.encode(prompt)  # with the tokenizer's special tokens (a BOS), as vLLM's
+            return self._encode(prompt, add_special_tokens=True)  # a BOS where the tokenizer adds one, as vLLM's
         token_ids = list(prompt)
         vocab_size = self.runner.config.vocab_size
         for token_id in token_ids:
@@ -208,6 +208,14 @@ class LLM:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {token_id!r}")
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        return token_ids
+
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if max(token_ids, default=0) >= self.runner.config.vocab_size:  # a tokenizer larger than the model
+            raise ValueError(f"the prompt tokenizes to id {max(token_ids)}, beyond the model's vocabulary "
+                             f"({self.runner.config.vocab_size})")
         return token_ids
 
 

@@ -75,14 +75,16 @@ def test_chat_shows_the_tools_to_a_template_that_renders_them(smollm2, monkeypat
     assert smollm2.tokenizer.decode(result.prompt_token_ids) == "[get_weather]Weather?"
 
 
-def test_a_chat_template_given_as_a_file_replaces_the_tokenizers(tiny_model_with_tokenizer, tmp_path):
+def test_a_chat_template_given_as_a_file_replaces_the_tokenizers(tmp_path):
     """--chat-template (ModelConfig.chat_template), for a model whose tokenizer has no template or the wrong one:
     a file or the template itself."""
+    from tests.support.tiny_stack import write_tiny_model_with_tokenizer
+
+    model = write_tiny_model_with_tokenizer(tmp_path / "model", vocab_size=49152)  # the tokenizer's ids
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
     for given in (str(template), template.read_text()):
-        llm = LLM(str(tiny_model_with_tokenizer), device="cpu", dtype="float32", kv_cache_memory=1 << 20,
-                  chat_template=given)
+        llm = LLM(str(model), device="cpu", dtype="float32", kv_cache_memory=1 << 20, chat_template=given)
         [result] = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=1))
         assert llm.tokenizer.decode(result.prompt_token_ids) == "<user>Hi<assistant>"
 
@@ -115,6 +117,16 @@ def test_results_come_back_in_input_order_for_text_and_token_prompts(smollm2):
     alone = [smollm2.generate(p, params)[0] for p in ["Once upon a time", token_prompt, "1, 2, 3,"]]
     assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
     assert batch[1].prompt_token_ids == token_prompt
+
+
+def test_a_text_prompt_beyond_the_models_vocabulary_is_refused(tiny_model_with_tokenizer):
+    # The tiny model embeds 160 ids; its tokenizer (the default model's) spells "Hello" with a larger one.
+    llm = LLM(str(tiny_model_with_tokenizer), device="cpu", dtype="float32", kv_cache_memory=1 << 20,
+              chat_template="{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ValueError, match="beyond the model's vocabulary"):
+        llm.generate("Hello", SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="beyond the model's vocabulary"):
+        llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=1))
 
 
 def test_bad_prompts_raise_value_errors_naming_the_problem(smollm2):
