@@ -75,6 +75,8 @@ class GenerateCall:
         self.submitted: list[str] = []
         self.ended: set[str] = set()
         self.cancelled = False
+        # Prompt logprobs go out once: a scheduler restarted mid-request computes them again for its resubmission.
+        self.prompt_logprobs_sent = False
 
     def start(self) -> None:
         """Submits the first choice; raises GenerateError("unavailable") when the link is closing."""
@@ -125,13 +127,15 @@ class GenerateCall:
             self.metrics.output(self.times[index], len(output.new_token_ids) if num_tokens is None else num_tokens)
             if delta.finished:
                 self.metrics.ended_request(self.times[index], delta.finish_reason)
+        prompt_logprobs = None if self.prompt_logprobs_sent else output.prompt_logprobs
+        self.prompt_logprobs_sent |= prompt_logprobs is not None
         if self.prompt_only:
             usage = Usage(delta.usage.prompt_tokens, 0) if delta.usage is not None else None
             return ChoiceDelta(index, [], "", [] if output.new_logprobs is not None else None,
-                               "length" if delta.finished else None, usage, output.prompt_logprobs)
+                               "length" if delta.finished else None, usage, prompt_logprobs)
         return ChoiceDelta(index, output.new_token_ids[:num_tokens], delta.text,
                            output.new_logprobs[:num_tokens] if output.new_logprobs is not None else None,
-                           delta.finish_reason, delta.usage, output.prompt_logprobs)
+                           delta.finish_reason, delta.usage, prompt_logprobs)
 
     def abort(self) -> None:
         """Aborts the choices still running (the client went away). Safe from any thread."""

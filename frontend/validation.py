@@ -158,20 +158,12 @@ def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
             repetition_penalty=inp.repetition_penalty, logit_bias=inp.logit_bias, json_schema=inp.json_schema,
             json_object=inp.json_object, regex=inp.regex, choice=inp.choice, n=inp.n,
         )
+        params.check_token_ids(vocab_size)
     except ValueError as e:
         # SamplingParams's messages start with the field name.
         match = _LEADING_FIELD.match(str(e))
         name = match.group() if match and match.group() in _INPUT_FIELDS else "sampling_params"
         raise ValidationError(name, str(e)) from None
-    for token_id in params.stop_token_ids:
-        if token_id >= vocab_size:
-            raise ValidationError(
-                "stop_token_ids", f"stop_token_ids must be below the vocabulary size ({vocab_size}), got {token_id}"
-            )
-    beyond = [t for t in params.logit_bias if t >= vocab_size]
-    if beyond:
-        raise ValidationError(
-            "logit_bias", f"logit_bias token ids must be below the vocabulary size ({vocab_size}), got {beyond[0]}")
     if params.structured:
         _check_grammar(params)
     return params

@@ -165,6 +165,15 @@ class SamplingParams:
             bias[token_id] = float(value)
         self.logit_bias = bias
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuses token ids the model has no logit for (a ValueError naming the field)."""
+        beyond = [t for t in self.stop_token_ids if t >= vocab_size]
+        if beyond:
+            raise ValueError(f"stop_token_ids must be below the vocabulary size ({vocab_size}), got {beyond[0]}")
+        beyond = [t for t in self.logit_bias if t >= vocab_size]
+        if beyond:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size ({vocab_size}), got {beyond[0]}")
+
     def for_choice(self, index: int) -> "SamplingParams":
         """What choice `index` of n runs with: one choice each, seeded choices seeded apart (so that they differ
         and are each reproducible), and the prompt's logprobs asked of the first choice only (the others get

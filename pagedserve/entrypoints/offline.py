@@ -130,6 +130,8 @@ class LLM:
         states: dict[str, RequestOutputState] = {}
         siblings: dict[str, list[Request]] = {}  # choice 0's id -> the other choices, added once it has sampled
         prompt_choices: list[list[str]] = []
+        for params in params_list:
+            params.check_token_ids(self.runner.config.vocab_size)
         for prompt, params, request_priority in zip(prompt_list, params_list, priorities):
             token_ids = self._tokenize(prompt)
             choices = []

@@ -136,6 +136,9 @@ def test_bad_prompts_raise_value_errors_naming_the_problem(smollm2):
         smollm2.generate([[1, 2, 10**9]], SamplingParams())
     with pytest.raises(ValueError, match="sampling_params"):
         smollm2.generate(["a", "b"], [SamplingParams()])
+    for beyond in (dict(logit_bias={10**9: 5.0}), dict(stop_token_ids=[60000])):  # the vocabulary is 49152
+        with pytest.raises(ValueError, match=f"^{next(iter(beyond))}.*vocabulary size"):
+            smollm2.generate("a", SamplingParams(**beyond))
     with pytest.raises(ValueError, match="context length"):
         smollm2.generate([[5] * smollm2.max_model_len], SamplingParams())
 

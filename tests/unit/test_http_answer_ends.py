@@ -67,3 +67,4 @@ def test_a_fault_in_a_stream_ends_it_with_an_error_event_not_an_empty_body():
     events = [line for line in response.text.splitlines() if line.startswith("data: ")]
     assert '"internal_server_error"' in events[0] and "ValueError" in events[0]
     assert events[-1] == "data: [DONE]"
+
