@@ -35,7 +35,7 @@ from frontend.responses import (ResponseEvents, ResponsesError, ResponseStore, c
                                 chat_tools, conversation, finished, output_items, text_format)
 from frontend.responses import usage as responses_usage
 from frontend.tools import ToolError, plan_tool_calls
-from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
+from frontend.validation import GenerateInput, ValidationError, tokenizing, validate_and_tokenize_async
 from pagedserve.output.detokenizer import token_utf8
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
@@ -375,11 +375,12 @@ class OpenAIServer:
             if len(body.prompt) > self.max_prompt_chars:
                 raise APIError(400, f"prompt is {len(body.prompt)} characters, at most {self.max_prompt_chars} "
                                     "are accepted", "prompt")
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            ids = await tokenizing(len(body.prompt), self.tokenizer.encode, body.prompt,
+                                   add_special_tokens=body.add_special_tokens is not False)
         else:
             inp = GenerateInput(request_id="tokenize", messages=_messages(body.messages), max_tokens=None,
                                 add_special_tokens=body.add_special_tokens, **_chat_options(body))
-            ids = self._validate(inp)[0]
+            ids = (await self._validate(inp))[0]
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self.max_model_len}
 
     async def detokenize(self, request: Request) -> dict:
@@ -392,9 +393,9 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- generation
 
-    def _validate(self, inp: GenerateInput, body: _Sampling | None = None) -> tuple[list[int], Any]:
+    async def _validate(self, inp: GenerateInput, body: _Sampling | None = None) -> tuple[list[int], Any]:
         try:
-            return validate_and_tokenize(inp, self.tokenizer, self.max_model_len, self.vocab_size,
+            return await validate_and_tokenize_async(inp, self.tokenizer, self.max_model_len, self.vocab_size,
                                          max_prompt_chars=self.max_prompt_chars)
         except ValidationError as error:
             param = HTTP_PARAM.get(error.field, error.field)
@@ -464,7 +465,7 @@ class OpenAIServer:
             part_input = dataclasses.replace(inp, prompt=one if isinstance(one, str) else None,
                                              prompt_token_ids=None if isinstance(one, str) else one)
             try:
-                prompt_ids, params = self._validate(part_input, body)
+                prompt_ids, params = await self._validate(part_input, body)
             except APIError as error:
                 if not batch:
                     raise
@@ -525,7 +526,7 @@ class OpenAIServer:
             inp.logprobs = body.top_logprobs or 0
         reasoning = self._reasoning_parser(inp)
         try:
-            prompt_ids, params = self._validate(inp, body)
+            prompt_ids, params = await self._validate(inp, body)
         except APIError as error:
             if error.param == "logprobs":  # the chat API's count of alternatives is its top_logprobs
                 message = str(error)
@@ -610,7 +611,7 @@ class OpenAIServer:
         plan = self._plan_tools(inp, tools, tool_choice, body.parallel_tool_calls)
         reasoning = self._reasoning_parser(inp)
         try:
-            prompt_ids, params = self._validate(inp)
+            prompt_ids, params = await self._validate(inp)
         except APIError as error:  # named by this API's fields
             param = RESPONSES_PARAM.get(error.param, error.param)
             if param == "text" and plan is not None and plan.schema is not None:
@@ -634,7 +635,7 @@ class OpenAIServer:
         [deltas] = await self._collect(request, [call])
         message, finish_reason = _answer("".join(d.text for d in deltas), deltas[-1].finish_reason, plan, reasoning)
         counts = _usage(deltas)
-        done = finished(response, output_items(message), finish_reason,
+        done = finished(response, output_items(message, finish_reason), finish_reason,
                         responses_usage(counts["prompt_tokens"], counts["completion_tokens"]))
         self._store_response(done, kept)
         return self._json(done, inp.request_id)

@@ -101,25 +101,32 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def output_items(message: dict) -> list[dict]:
+def output_items(message: dict, finish_reason: str | None) -> list[dict]:
     """A chat message ({"reasoning", "content", "tool_calls"}) as the response's output items: its thinking, its
-    text, then its calls."""
+    text, then its calls; the last one incomplete where the length cut the answer short."""
     items = []
     if message.get("reasoning"):
         items.append(_reasoning_item(new_id("rs"), message["reasoning"], "completed"))
     if message.get("content"):
         items.append(_message_item(new_id("msg"), message["content"], "completed"))
     items.extend(_call_item(call, "completed") for call in message.get("tool_calls") or [])
+    if items and finish_reason == "length":
+        items[-1]["status"] = "incomplete"
     return items
 
 
+def _closed_status(item: dict, output: list[dict], finish_reason: str | None) -> str:
+    """An item's status once the answer ends: the last one was cut short where the length ended it."""
+    return "incomplete" if finish_reason == "length" and item["id"] == output[-1]["id"] else "completed"
+
+
 def _message_item(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict:
-    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
     return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
 
 
@@ -203,7 +210,8 @@ class ResponseEvents:
             index = self._index(self.reasoning_item)
             events.append(self._event("response.reasoning_text.done", item_id=self.reasoning_item["id"],
                                       output_index=index, content_index=0, text=self.reasoning))
-            self.output[index] = _reasoning_item(self.reasoning_item["id"], self.reasoning, "completed")
+            self.output[index] = _reasoning_item(self.reasoning_item["id"], self.reasoning,
+                                                 _closed_status(self.reasoning_item, self.output, finish_reason))
             events.append(self._event("response.output_item.done", output_index=index, item=self.output[index]))
         if self.text_item is not None:
             index, part = self._index(self.text_item), {"type": "output_text", "text": self.text, "annotations": []}
@@ -211,10 +219,11 @@ class ResponseEvents:
                                       content_index=0, text=self.text, logprobs=[]))
             events.append(self._event("response.content_part.done", item_id=self.text_item["id"],
                                       output_index=index, content_index=0, part=part))
-            self.output[index] = _message_item(self.text_item["id"], self.text, "completed")
+            self.output[index] = _message_item(self.text_item["id"], self.text,
+                                               _closed_status(self.text_item, self.output, finish_reason))
             events.append(self._event("response.output_item.done", output_index=index, item=self.output[index]))
         for item in self.calls.values():
-            item["status"] = "completed"
+            item["status"] = _closed_status(item, self.output, finish_reason)
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=self._index(item), arguments=item["arguments"]))
             events.append(self._event("response.output_item.done", output_index=self._index(item), item=item))

@@ -18,7 +18,7 @@ from google.protobuf import json_format
 
 from frontend.generation import DRAINING, AsyncInbox, GenerateCall, GenerateError, with_the_rest
 from frontend.metrics import BackendStats, FrontendMetrics
-from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
+from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize_async
 from pagedserve.convert import FINISH_REASONS, sampling_to_proto, scheduler_update_from_proto, token_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2
@@ -263,7 +263,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         inp = _generate_input(request)
         try:
-            prompt_ids, params = validate_and_tokenize(
+            prompt_ids, params = await validate_and_tokenize_async(
                 inp, self.tokenizer, self.info.max_model_len, self.info.vocab_size,
                 max_prompt_chars=self.max_prompt_chars,
             )

@@ -5,8 +5,11 @@ answer INVALID_ARGUMENT with a message the caller can act on.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -106,6 +109,36 @@ def validate_and_tokenize(
     return prompt_ids, params
 
 
+# Rendering and tokenizing a long prompt takes up to seconds; off the event loop, everyone else's streams and the
+# health checks go on meanwhile. One thread: a tokenizer is not safe to call from several at once (a fast
+# tokenizer's first call may reset its truncation settings). Short prompts stay inline: the hop would cost more.
+LONG_INPUT_CHARS = 16384
+_TOKENIZING = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+
+async def tokenizing(chars: int, fn, *args, **kwargs):
+    """fn(*args, **kwargs), in the tokenizing thread where its input is `chars` characters or more."""
+    if chars < LONG_INPUT_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZING, functools.partial(fn, *args, **kwargs))
+
+
+async def validate_and_tokenize_async(inp: GenerateInput, *args, **kwargs) -> tuple[list[int], SamplingParams]:
+    """validate_and_tokenize, in the tokenizing thread where the input is long."""
+    return await tokenizing(input_chars(inp), validate_and_tokenize, inp, *args, **kwargs)
+
+
+def input_chars(inp: GenerateInput) -> int:
+    """Characters the input renders: a text prompt's, or the messages' roles and contents (the template renders
+    each message's role, so that many empty messages count as well)."""
+    if isinstance(inp.prompt, str):
+        return len(inp.prompt)
+    if isinstance(inp.messages, list):
+        return sum(len(m[key]) for m in inp.messages if isinstance(m, dict)
+                   for key in ("role", "content") if isinstance(m.get(key), str))
+    return 0
+
+
 def _check_request_id(request_id: object) -> None:
     if not isinstance(request_id, str) or not request_id:
         raise ValidationError("request_id", "request_id must be a non-empty string")
@@ -126,16 +159,11 @@ def _check_frontend_fields(inp: GenerateInput) -> None:
 
 
 def _check_prompt_size(inp: GenerateInput, max_prompt_chars: int | None, max_model_len: int) -> None:
-    if max_prompt_chars is not None and isinstance(inp.prompt, str) and len(inp.prompt) > max_prompt_chars:
-        raise ValidationError(
-            "prompt", f"prompt is {len(inp.prompt)} characters, at most {max_prompt_chars} are accepted")
-    if max_prompt_chars is not None and isinstance(inp.messages, list):
-        # Roles too: the template renders each message's, so that many empty messages count as well.
-        chars = sum(len(m[key]) for m in inp.messages if isinstance(m, dict)
-                    for key in ("role", "content") if isinstance(m.get(key), str))
-        if chars > max_prompt_chars:
-            raise ValidationError(
-                "messages", f"messages hold {chars} characters, at most {max_prompt_chars} are accepted")
+    chars = input_chars(inp)
+    if max_prompt_chars is not None and chars > max_prompt_chars:
+        if isinstance(inp.prompt, str):
+            raise ValidationError("prompt", f"prompt is {chars} characters, at most {max_prompt_chars} are accepted")
+        raise ValidationError("messages", f"messages hold {chars} characters, at most {max_prompt_chars} are accepted")
     if isinstance(inp.prompt_token_ids, list) and len(inp.prompt_token_ids) >= max_model_len:
         raise ValidationError(
             "prompt", f"prompt is {len(inp.prompt_token_ids)} tokens, the context holds {max_model_len} "

@@ -228,6 +228,7 @@ def test_the_responses_api_answers_as_chat_does_whole_and_streamed(openai_client
                                                                      chat.usage.completion_tokens)
     short = openai_client.responses.create(model=MODEL, input=CHAT, temperature=0, max_output_tokens=3)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in short.output] == ["incomplete"] and short.output_text
 
     events = list(openai_client.responses.create(model=MODEL, input=CHAT[0]["content"], temperature=0,
                                                  max_output_tokens=20, stream=True))

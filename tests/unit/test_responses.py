@@ -52,10 +52,21 @@ def test_function_tools_tool_choice_and_text_format_map_to_the_chat_apis():
 
 def test_output_items_hold_the_text_then_the_calls():
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    items = output_items({"role": "assistant", "content": "Let me look.", "tool_calls": [call]})
+    items = output_items({"role": "assistant", "content": "Let me look.", "tool_calls": [call]}, "tool_calls")
     assert [i["type"] for i in items] == ["message", "function_call"]
     assert items[0]["content"][0]["text"] == "Let me look." and items[1]["call_id"] == "call_1"
-    assert output_items({"role": "assistant", "content": None, "tool_calls": [call]})[0]["type"] == "function_call"
+    assert [i["status"] for i in items] == ["completed", "completed"]
+    assert output_items({"role": "assistant", "content": None, "tool_calls": [call]},
+                        "tool_calls")[0]["type"] == "function_call"
+
+
+def test_the_item_the_length_cut_short_is_incomplete_and_keeps_its_text():
+    cut = output_items({"role": "assistant", "reasoning": "Think.", "content": "Paris is"}, "length")
+    assert [(i["type"], i["status"]) for i in cut] == [("reasoning", "completed"), ("message", "incomplete")]
+    assert cut[1]["content"][0]["text"] == "Paris is"
+    thinking = output_items({"role": "assistant", "reasoning": "Think", "content": None}, "length")
+    assert [(i["type"], i["status"]) for i in thinking] == [("reasoning", "incomplete")]
+    assert thinking[0]["content"][0]["text"] == "Think"
 
 
 def test_events_open_each_item_as_it_begins_and_close_them_in_order():
@@ -77,7 +88,11 @@ def test_events_open_each_item_as_it_begins_and_close_them_in_order():
     final = seen[-1]["response"]
     assert final["status"] == "incomplete" and final["usage"]["total_tokens"] == 12
     assert final["output"][0]["content"][0]["text"] == "Checking."
-    assert final["output"][1]["arguments"] == '{"a": 1}' and final["output"][1]["status"] == "completed"
+    # The length cut the call short, not the text before it.
+    assert final["output"][0]["status"] == "completed"
+    assert final["output"][1]["arguments"] == '{"a": 1}' and final["output"][1]["status"] == "incomplete"
+    done_items = [e["item"] for e in seen if e["type"] == "response.output_item.done"]
+    assert [i["status"] for i in done_items] == ["completed", "incomplete"]
     assert [e["output_index"] for e in seen if e["type"] == "response.output_item.done"] == [0, 1]
 
 
@@ -85,7 +100,8 @@ def test_the_store_keeps_the_newest_responses_with_the_conversation_a_follow_up_
     store = ResponseStore(2)
     asked = chat_messages([{"role": "user", "content": "Weather in Oslo?"}], None)
     output = output_items({"reasoning": "Look it up.", "content": "Checking.", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]})
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        "tool_calls")
     for n in range(3):
         store.put({"id": f"resp_{n}", "output": output}, conversation(asked, output))
     assert store.get("resp_0") is None  # gone to make room

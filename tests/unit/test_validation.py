@@ -1,12 +1,16 @@
 """validate_and_tokenize: each bad field rejected by name; good requests tokenized as the tokenizer does."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
+import threading
+import time
 
 import pytest
 
-from frontend.validation import GenerateInput, ValidationError, validate_and_tokenize
+from frontend.validation import (LONG_INPUT_CHARS, GenerateInput, ValidationError, validate_and_tokenize,
+                                 validate_and_tokenize_async)
 from pagedserve.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 64
@@ -178,6 +182,48 @@ def test_special_tokens_go_on_a_prompt_not_on_rendered_messages_unless_asked():
 
     assert ids(prompt="ab") == [1, 97, 98] and ids(prompt="ab", add_special_tokens=False) == [97, 98]
     assert ids(messages=USER) == [104, 105] and ids(messages=USER, add_special_tokens=True) == [1, 104, 105]
+
+
+def test_a_long_input_is_tokenized_off_the_event_loop_a_short_one_inline():
+    """A long prompt's (or chat's) tokenizing runs in the tokenizing thread, so that the event loop (everyone
+    else's streams, the health checks) goes on meanwhile; a short one's runs inline."""
+    class SlowTokenizer:
+        def __init__(self):
+            self.threads = []
+
+        def encode(self, text, add_special_tokens):
+            self.threads.append(threading.current_thread())
+            time.sleep(0.3 if len(text) >= LONG_INPUT_CHARS else 0)
+            return [1, 2, 3]
+
+        def apply_chat_template(self, messages, **options):
+            return "".join(m["content"] for m in messages)
+
+    async def main(tokenizer):
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        long_chat = [{"role": "user", "content": "x" * (LONG_INPUT_CHARS // 2)}] * 2
+        answers = [await validate_and_tokenize_async(GenerateInput(request_id="r", **fields), tokenizer, 64, 256)
+                   for fields in (dict(prompt="x" * LONG_INPUT_CHARS), dict(messages=long_chat))]
+        ticks_meanwhile = ticks
+        answers.append(await validate_and_tokenize_async(GenerateInput(request_id="r", prompt="x"), tokenizer, 64,
+                                                         256))
+        ticker.cancel()
+        return answers, ticks_meanwhile
+
+    tokenizer = SlowTokenizer()
+    answers, ticks_meanwhile = asyncio.run(main(tokenizer))
+    assert [ids for ids, _ in answers] == [[1, 2, 3]] * 3
+    assert [t is threading.main_thread() for t in tokenizer.threads] == [False, False, True]
+    assert ticks_meanwhile >= 20  # the loop ran on through the two 0.3 s tokenizations
 
 
 def test_chat_template_rejection_becomes_a_messages_error():
