@@ -207,7 +207,6 @@ class ModelRunner:
             return result
         params = [self.requests[r.request_id].params for r in sampling]
         sampled_positions = [r.start_position + len(r.token_ids) for r in sampling]
-        self._ban_stop_tokens_before_min_tokens(logits, sampling, sampled_positions)
         batch = self._sampling_batch(params)
         penalty_counts = None
         if batch.penalty_rows is not None:
@@ -220,7 +219,9 @@ class ModelRunner:
         if grammar_rows:
             grammars = [self.requests[sampling[row].request_id].grammar for row in grammar_rows]
             grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, grammars), grammar_rows)
-        tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask).to_sampled_tokens(batch)
+        banned = self._stop_tokens_before_min_tokens(sampling, sampled_positions)
+        tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask,
+                              banned).to_sampled_tokens(batch)
         result.sampled = self._remember_samples(sampling, tokens)
         return result
 
@@ -266,7 +267,9 @@ class ModelRunner:
             self._last_sampling_batch = last = (params, SamplingBatch.build(params, self.device))
         return last[1]
 
-    def _ban_stop_tokens_before_min_tokens(self, logits, sampling, sampled_positions) -> None:
+    def _stop_tokens_before_min_tokens(self, sampling, sampled_positions) -> tuple[list[int], list[int]] | None:
+        """(rows, token ids) of the stop tokens each row may not sample yet: its EOS and stop_token_ids until
+        min_tokens are out. None when no row has any."""
         rows, columns = [], []
         for row, (req, position) in enumerate(zip(sampling, sampled_positions)):
             state = self.requests[req.request_id]
@@ -277,8 +280,7 @@ class ModelRunner:
                 banned.extend(self.eos_token_ids)
             rows += [row] * len(banned)
             columns += banned
-        if rows:  # one indexed write for the whole batch
-            logits[rows, columns] = float("-inf")
+        return (rows, columns) if rows else None
 
     @torch.inference_mode()
     def step_logits(self, step: ExecuteStep) -> dict[str, torch.Tensor]:

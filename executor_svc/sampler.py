@@ -251,15 +251,20 @@ class Sampler:
         self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor | Sequence[int],
         penalty_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
         grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
+        banned: tuple[list[int], list[int]] | None = None,
     ) -> SamplerOutput:
         """logits [B, V] (any float dtype; compute in float32). positions[i] = the sequence position of
         the token row i is sampling (used with the seed). penalty_counts: output counts and in-prompt flags
         of the batch's penalty rows (TokenCounts.gather). grammar_mask: a [B, ceil(V / 32)] int32 token
-        bitmask and the rows it applies to (a grammar's allowed tokens)."""
+        bitmask and the rows it applies to (a grammar's allowed tokens). banned: (rows, token ids) that may not be
+        sampled (stop tokens before min_tokens)."""
         raw = logits.float()
         adjusted = raw
-        if batch.bias_rows is not None or batch.penalty_rows is not None or grammar_mask is not None:
+        if (batch.bias_rows is not None or batch.penalty_rows is not None or grammar_mask is not None
+                or banned is not None):
             adjusted = raw.clone()  # logprobs stay those of the model's own distribution
+            if banned is not None:
+                adjusted[banned] = float("-inf")
             if batch.bias_rows is not None:
                 adjusted.index_put_((batch.bias_rows, batch.bias_token_ids), batch.bias_values, accumulate=True)
             if batch.penalty_rows is not None:

@@ -466,3 +466,16 @@ def test_sampler_picks_under_the_adjusted_logits_and_reports_the_raw_logprobs():
     mask[0, 0] = 1 << 3  # the grammar allows token 3 alone
     out = Sampler()(logits, SamplingBatch.build([SamplingParams(temperature=0)]), [0], grammar_mask=(mask, [0]))
     assert out.token_ids.tolist() == [3]
+
+
+def test_banned_stop_tokens_are_never_sampled_yet_keep_their_raw_logprobs():
+    """Before min_tokens the stop tokens may not be sampled, but the logprobs stay the model's own (vLLM's): the
+    banned token still leads the top logprobs with its raw value, and the rest are not renormalised."""
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0], [0.0, 1.0, 3.0, 2.0]])
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0.7, seed=3, logprobs=2)]
+    out = Sampler()(logits.clone(), SamplingBatch.build(params), [0, 0], banned=([0, 0, 1], [2, 3, 2]))
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.token_ids[0].item() == 1 and out.token_ids[1].item() in (0, 1, 3)
+    assert out.top_token_ids.tolist() == [[2, 3], [2, 3]]
+    torch.testing.assert_close(out.top_logprobs, raw[:, [2, 3]])
+    torch.testing.assert_close(out.logprobs, raw[[0, 1], out.token_ids])
