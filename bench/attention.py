@@ -9,6 +9,11 @@ the step's cache write. SmolLM2-135M's attention shape (9 query heads, 3 KV head
 With --window, both sides attend through a sliding window of N keys (Mistral, Gemma's local layers): the
 kernels read only the window, the gather path still gathers every block and masks.
 
+Each case also reports the kernel's arithmetic rate: the multiply-adds of the scores and outputs a causal
+(windowed) attention needs, per second, beside the rate of MKL's own batched product of the gather path's shape
+(the queries against every key, per head) in the same run. `ratio_at_gemm_rate` is the time ratio the kernel
+would reach computing at MKL's rate: the floor of prefill's ratio, which is bound by arithmetic, not memory.
+
 To see an AVX2-only machine on a wider one, restrict both sides: `--isa avx2` for the kernels and
 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 for torch.
 """
@@ -56,6 +61,32 @@ def make_case(query_lens: list[int], context_lens: list[int], dtype: torch.dtype
                          num_prefills=sum(n > 1 for n in query_lens), slot_mapping=torch.tensor(slots),
                          block_size=BLOCK_SIZE)
     return layout, (q, k, v), caches
+
+
+def attention_flops(layout: BatchLayout, window: int | None) -> int:
+    """Floating-point operations of the attention itself: two multiply-adds per head dimension, for the score
+    and for the output, of every (query head, key it sees) pair."""
+    pairs = 0
+    for n, context in zip(layout.query_lens, layout.context_lens):
+        for position in range(context - n, context):
+            pairs += min(position + 1, window or position + 1)
+    return pairs * NUM_HEADS * 4 * HEAD_DIM
+
+
+def gemm_flops_per_s(tokens: int, keys: int, dtype: torch.dtype, repeats: int) -> float:
+    """MKL's rate on the gather path's products, per head: queries [tokens, D] against keys [D, keys], then the
+    weights [tokens, keys] against the values [keys, D]; the best of `repeats`."""
+    gen = torch.Generator().manual_seed(0)
+    q, v = (torch.randn(NUM_HEADS, n, HEAD_DIM, generator=gen).to(dtype) for n in (tokens, keys))
+    k_t = torch.randn(NUM_HEADS, HEAD_DIM, keys, generator=gen).to(dtype)
+    scores = torch.bmm(q, k_t)
+    best = math.inf
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        torch.bmm(q, k_t, out=scores)
+        torch.bmm(scores, v)
+        best = min(best, time.perf_counter() - start)
+    return NUM_HEADS * 4 * tokens * keys * HEAD_DIM / best
 
 
 def time_backends(layout, qkv, caches, repeats: int, window: int | None = None) -> dict:
@@ -109,10 +140,18 @@ def main() -> None:
     ratios = {}
     for name, case in cases.items():
         result = time_backends(*case, args.repeats, args.window)
+        layout = case[0]
+        flops = attention_flops(layout, args.window)
+        gemm_rate = gemm_flops_per_s(max(layout.query_lens) if name == "prefill" else 1, max(layout.context_lens),
+                                     dtype, args.repeats)
+        result.update(gflop=flops / 1e9, paged_gflop_per_s=flops / result["paged_s"] / 1e9,
+                      gemm_gflop_per_s=gemm_rate / 1e9, ratio_at_gemm_rate=flops / gemm_rate / result["gather_s"])
         metrics["cases"][name].update(result)
         ratios[f"paged_vs_gather_{name}"] = result["ratio"]
         print(f"{name}: kernel {result['paged_s'] * 1e3:.2f} ms, gather path {result['gather_s'] * 1e3:.2f} ms, "
-              f"ratio {result['ratio']:.3f}", flush=True)
+              f"ratio {result['ratio']:.3f}; kernel {result['paged_gflop_per_s']:.0f} GFLOP/s, MKL's products of "
+              f"the gather path's shape {result['gemm_gflop_per_s']:.0f} (ratio at that rate "
+              f"{result['ratio_at_gemm_rate']:.3f})", flush=True)
     ratios["paged_vs_gather"] = max(ratios["paged_vs_gather_decode"], ratios["paged_vs_gather_prefill"])
     print(f"wrote {write_result(args.name, ratios, metrics)}")
 
