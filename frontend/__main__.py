@@ -1,17 +1,22 @@
 """python -m frontend --port 50051 --scheduler 127.0.0.1:50052 [--http-address 127.0.0.1:8000]"""
 from __future__ import annotations
 
+import logging
+
 from pagedserve.chat import load_chat_template
 from pagedserve.config import PROMPT_CHARS_PER_TOKEN, ModelConfig, ServingConfig, model_name, parse
+from pagedserve.sampling_params import generation_config_defaults
 from pagedserve.service import AioService, Security, channel, configure_logging, pin_to_cpus, set_nice
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+logger = logging.getLogger("frontend")
 
 SECTIONS = {
     ServingConfig: ("host", "port", "log_level", "cpus", "nice", "scheduler", "startup_timeout", "max_streams",
                     "max_message_bytes", "http_address", "served_model_name", "drain_timeout_s", "max_prompt_chars",
                     "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "responses_store_size",
                     "tls_cert", "tls_key", "tls_ca", "tls_client_ca", "api_key_file", "internal_token_file"),
-    ModelConfig: ("tokenizer", "chat_template"),
+    ModelConfig: ("tokenizer", "chat_template", "generation_config"),
 }
 
 
@@ -41,6 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     if configs[ModelConfig].chat_template:
         tokenizer.chat_template = load_chat_template(configs[ModelConfig].chat_template)
     prepare_detokenizer(tokenizer)
+    sampling_defaults = generation_config_defaults(configs[ModelConfig].generation_config, info.model_dir)
+    if sampling_defaults:
+        logger.warning("requests that leave them unset take the model's generation config's sampling parameters %s "
+                       "(--generation-config vllm: vLLM's neutral defaults instead)", sampling_defaults)
     link = SchedulerLink(scheduler)
     service = AioService("frontend", serving.host, serving.listen_port("frontend"), security=security, public=True,
                          max_message_bytes=serving.max_message_bytes, dependencies={"scheduler_svc": serving.scheduler})
@@ -49,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     # Served on the HTTP API's /metrics; without it, nothing is measured.
     metrics = (FrontendMetrics(model_names[0], info.max_model_len, lambda: read_backend_stats(scheduler))
                if serving.http_address else None)
-    servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars, serving.max_streams, metrics)
+    servicer = GenerationServicer(link, tokenizer, info, max_prompt_chars, serving.max_streams, metrics,
+                                  sampling_defaults)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, service.server)
     # Tools such as grpcurl list and call the public API by reflection (with an API key where one is required).
     reflection.enable_server_reflection(
@@ -62,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         api = OpenAIServer(link, tokenizer, model_names, info.max_model_len, info.vocab_size, max_prompt_chars,
                            security.api_key_ok if security.api_keys else None, metrics,
                            serving.tool_call_parser if serving.enable_auto_tool_choice else None,
-                           serving.reasoning_parser, serving.responses_store_size)
+                           serving.reasoning_parser, serving.responses_store_size, sampling_defaults)
         http = HttpServer(api.app, serving.http_address, serving.log_level, serving.tls_cert, serving.tls_key,
                           serving.tls_client_ca)
         http.start()

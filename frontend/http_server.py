@@ -35,7 +35,8 @@ from frontend.responses import (ResponseEvents, ResponsesError, ResponseStore, c
                                 chat_tools, conversation, finished, output_items, text_format)
 from frontend.responses import usage as responses_usage
 from frontend.tools import ToolError, plan_tool_calls
-from frontend.validation import GenerateInput, ValidationError, tokenizing, validate_and_tokenize_async
+from frontend.validation import (MODEL_DEFAULTED, GenerateInput, ValidationError, tokenizing,
+                                 validate_and_tokenize_async)
 from pagedserve.output.detokenizer import token_utf8
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
@@ -284,7 +285,8 @@ class OpenAIServer:
     def __init__(self, link, tokenizer: Any, served_model_names: tuple[str, ...], max_model_len: int,
                  vocab_size: int, max_prompt_chars: int, api_key_ok: Callable[[str], bool] | None = None,
                  metrics: FrontendMetrics | None = None, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, responses_store_size: int = 0) -> None:
+                 reasoning_parser: str | None = None, responses_store_size: int = 0,
+                 sampling_defaults: dict | None = None) -> None:
         """served_model_names: what requests may name the model (responses name it by the first);
         api_key_ok: checks an `authorization` header's value; None: the API is open; metrics: served on
         /metrics (without, that route is a 404); tool_call_parser: reads the calls of tool_choice "auto" (none:
@@ -294,6 +296,7 @@ class OpenAIServer:
         self.model_names, self.model_name = served_model_names, served_model_names[0]
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.max_prompt_chars, self.api_key_ok = max_prompt_chars, api_key_ok
+        self.sampling_defaults = sampling_defaults or {}  # the model's (generation_config_defaults)
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.responses_store = ResponseStore(responses_store_size) if responses_store_size else None
         self.created = int(time.time())
@@ -396,7 +399,8 @@ class OpenAIServer:
     async def _validate(self, inp: GenerateInput, body: _Sampling | None = None) -> tuple[list[int], Any]:
         try:
             return await validate_and_tokenize_async(inp, self.tokenizer, self.max_model_len, self.vocab_size,
-                                         max_prompt_chars=self.max_prompt_chars)
+                                                     max_prompt_chars=self.max_prompt_chars,
+                                                     sampling_defaults=self.sampling_defaults)
         except ValidationError as error:
             param = HTTP_PARAM.get(error.field, error.field)
             if error.field == "json_schema" and body is not None and body.guided_json is not None:
@@ -415,6 +419,8 @@ class OpenAIServer:
                      "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                      "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority",
                      "add_special_tokens"):
+            if name in MODEL_DEFAULTED and name not in body.model_fields_set:
+                continue  # the model's default, else SamplingParams'
             setattr(inp, name, getattr(body, name))
         inp.stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if body.response_format is not None and body.response_format.type == "json_object":
@@ -598,8 +604,9 @@ class OpenAIServer:
         store = self.responses_store is not None and body.store is not False
         earlier = self._previous_conversation(body.previous_response_id)
         inp = GenerateInput(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
-                            max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
-                            seed=body.seed, priority=body.priority)
+                            max_tokens=body.max_output_tokens, seed=body.seed, priority=body.priority,
+                            **{name: getattr(body, name) for name in ("temperature", "top_p")
+                               if name in body.model_fields_set})
         try:
             own = earlier + chat_messages(body.input, None)
             inp.messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + own
@@ -622,8 +629,8 @@ class OpenAIServer:
         response = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                     "status": "in_progress", "model": self.model_name, "output": [], "usage": None, "error": None,
                     "incomplete_details": None, "instructions": body.instructions,
-                    "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
-                    "top_p": body.top_p, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+                    "max_output_tokens": body.max_output_tokens, "temperature": params.temperature,
+                    "top_p": params.top_p, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
                     "parallel_tool_calls": body.parallel_tool_calls, "text": body.text or {"format": {"type": "text"}},
                     "store": store, "metadata": body.metadata or {},
                     "previous_response_id": body.previous_response_id}

@@ -242,12 +242,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     its outputs from an AsyncInbox; nothing here blocks that loop but the tokenizer."""
 
     def __init__(self, link: SchedulerLink, tokenizer, info: scheduler_pb2.SchedulerInfo,
-                 max_prompt_chars: int, max_streams: int, metrics: FrontendMetrics | None = None) -> None:
+                 max_prompt_chars: int, max_streams: int, metrics: FrontendMetrics | None = None,
+                 sampling_defaults: dict | None = None) -> None:
         self.link = link
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.info = info
         self.max_prompt_chars = max_prompt_chars
+        self.sampling_defaults = sampling_defaults or {}  # the model's (generation_config_defaults)
         # Client request ids in flight here. The scheduler sees a fresh id per submission instead: it frees
         # an id a step after the request ends, and a client may reuse its own the moment its stream ends.
         # (Only the loop's thread touches it.)
@@ -265,7 +267,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             prompt_ids, params = await validate_and_tokenize_async(
                 inp, self.tokenizer, self.info.max_model_len, self.info.vocab_size,
-                max_prompt_chars=self.max_prompt_chars,
+                max_prompt_chars=self.max_prompt_chars, sampling_defaults=self.sampling_defaults,
             )
         except ValidationError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

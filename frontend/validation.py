@@ -43,13 +43,14 @@ class GenerateInput:
     # The tokenizer's special tokens (a BOS) added to the text; None: yes for a prompt, no for messages (their
     # template writes its own), as vLLM's completion and chat APIs default.
     add_special_tokens: bool | None = None
-    # Sampling and stopping, with SamplingParams's defaults; max_tokens None: up to the context.
+    # Sampling and stopping, with SamplingParams's defaults; max_tokens None: up to the context. None for one
+    # of MODEL_DEFAULTED: the model's default (its generation config), else SamplingParams'.
     max_tokens: int | None = 16
     min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -60,7 +61,7 @@ class GenerateInput:
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict = field(default_factory=dict)
     json_schema: str | None = None
     json_object: bool = False
@@ -72,23 +73,31 @@ class GenerateInput:
     priority: int = 0  # lower runs first under the scheduler's priority policy
 
 
+# The sampling fields a model's generation config may give defaults for (generation_config_defaults): left
+# unset (None) in a GenerateInput, they take the model's.
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 def validate_and_tokenize(
     inp: GenerateInput,
     tokenizer: Any,
     max_model_len: int,
     vocab_size: int,
     max_prompt_chars: int | None = None,
+    sampling_defaults: dict | None = None,
 ) -> tuple[list[int], SamplingParams]:
     """The prompt's token ids and the request's SamplingParams, or a ValidationError.
 
     ``max_prompt_chars`` bounds a text prompt (or the messages' contents together) before it is tokenized,
     and prompt_token_ids by the context length, so that an oversized prompt costs nothing.
+    ``sampling_defaults`` (generation_config_defaults) fill the fields of MODEL_DEFAULTED the request left unset,
+    and their max_tokens caps the request's.
     """
     _check_request_id(inp.request_id)
     _check_frontend_fields(inp)
     _check_prompt_size(inp, max_prompt_chars, max_model_len)
     # Cheap checks first: a bad temperature should not cost a chat template and a tokenization.
-    params = _sampling_params(inp, vocab_size)
+    params = _sampling_params(inp, vocab_size, sampling_defaults or {})
     prompt_ids = _prompt_token_ids(inp, tokenizer, vocab_size)
     if len(prompt_ids) >= max_model_len:
         raise ValidationError(
@@ -174,16 +183,21 @@ _LEADING_FIELD = re.compile(r"[a-z_]+")
 _INPUT_FIELDS = frozenset(f.name for f in fields(GenerateInput))
 
 
-def _sampling_params(inp: GenerateInput, vocab_size: int) -> SamplingParams:
+def _sampling_params(inp: GenerateInput, vocab_size: int, defaults: dict) -> SamplingParams:
+    chosen = {name: value for name in MODEL_DEFAULTED if (value := getattr(inp, name)) is not None}
+    modelled = {name: value for name, value in defaults.items() if name in MODEL_DEFAULTED}
+    max_tokens, cap = inp.max_tokens, defaults.get("max_tokens")
+    if cap is not None:
+        max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     try:
         params = SamplingParams(
-            temperature=inp.temperature, top_p=inp.top_p, top_k=inp.top_k, min_p=inp.min_p,
-            seed=inp.seed, max_tokens=inp.max_tokens, min_tokens=inp.min_tokens,
+            **{**modelled, **chosen},
+            seed=inp.seed, max_tokens=max_tokens, min_tokens=inp.min_tokens,
             stop=inp.stop, stop_token_ids=inp.stop_token_ids, ignore_eos=inp.ignore_eos, logprobs=inp.logprobs,
             prompt_logprobs=inp.prompt_logprobs,
             include_stop_str_in_output=inp.include_stop_str_in_output, skip_special_tokens=inp.skip_special_tokens,
             presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
-            repetition_penalty=inp.repetition_penalty, logit_bias=inp.logit_bias, json_schema=inp.json_schema,
+            logit_bias=inp.logit_bias, json_schema=inp.json_schema,
             json_object=inp.json_object, regex=inp.regex, choice=inp.choice, n=inp.n,
         )
         params.check_token_ids(vocab_size)

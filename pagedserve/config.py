@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.chat import load_chat_template
+from pagedserve.sampling_params import generation_config_defaults
 
 # The KV cache a CPU executor takes without kv_cache_memory at most (vLLM's CPU build default).
 CPU_KV_CACHE_CAP = 4 << 30
@@ -124,6 +125,11 @@ class ModelConfig(_Config):
     chat_template: str | None = option(None, "the chat template of the chat APIs and `LLM.chat`: a Jinja template, or "
                                              "a file holding one (default: the tokenizer's; a model whose tokenizer "
                                              "has none needs one for chat)")
+    generation_config: str = option(
+        "auto", "default sampling parameters of the requests that leave them unset: `auto`, those of the model's "
+                "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens "
+                "as a cap on max_tokens), as vLLM takes them; `vllm`, vLLM's neutral ones; or a directory whose "
+                "generation_config.json sets them")
     device: str = option("auto", "`auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`")
     dtype: str = option("auto", "weights and KV cache; `auto`: bfloat16 on CUDA, and on a CPU with native "
                                 "bfloat16 matrix instructions (AMX or AVX512-BF16) that runs a bfloat16 linear "
@@ -149,6 +155,11 @@ class ModelConfig(_Config):
         super().__post_init__()
         if self.chat_template is not None:
             load_chat_template(self.chat_template)  # a file that is not there, or no template: refused at once
+        if self.generation_config not in ("auto", "vllm"):
+            if not (Path(self.generation_config) / "generation_config.json").is_file():
+                raise ValueError(f"generation_config must be auto, vllm or a directory holding a "
+                                 f"generation_config.json, got {self.generation_config!r}")
+            generation_config_defaults(self.generation_config, None)  # a bad file: refused at once
 
     def resolved_device(self) -> str:
         """The device, `auto` made concrete for this machine."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Beyond this many top logprobs per token the cost is all copying; vLLM caps at 20 as well.
 MAX_LOGPROBS = 20
@@ -232,3 +233,37 @@ def _check_int(name: str, value: object, bounds: tuple[int, int] = INT32_RANGE) 
     low, high = bounds
     if not low <= value < high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}), got {value}")
+
+
+# The sampling fields of a generation_config.json that vLLM takes as the model's defaults (its
+# `--generation-config auto`), by SamplingParams' names: its max_new_tokens is max_tokens.
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_config_defaults(setting: str, model_dir: str | Path | None) -> dict:
+    """The default sampling parameters `setting` (ModelConfig.generation_config) names, by SamplingParams' names:
+    `auto`, those the model's generation_config.json sets; `vllm`, none (SamplingParams' own); else those of the
+    generation_config.json in that directory. A request's fields left unset take them, and max_tokens caps a
+    request's own, as in vLLM. Checked as SamplingParams checks them; a directory without the file sets none."""
+    if setting == "vllm" or (setting == "auto" and model_dir is None):
+        return {}
+    path = Path(model_dir if setting == "auto" else setting) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"generation_config: {path} is not readable JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"generation_config: {path} does not hold a JSON object")
+    defaults = {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+                if config.get(theirs) is not None}
+    # JSON writes 1.0 as 1 at times; the float fields take it.
+    defaults.update({name: float(value) for name, value in defaults.items()
+                     if name not in ("top_k", "max_tokens") and type(value) is int})
+    try:
+        SamplingParams(**defaults)
+    except ValueError as error:
+        raise ValueError(f"generation_config: {path}: {error}") from None
+    return defaults

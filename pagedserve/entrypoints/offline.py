@@ -25,7 +25,7 @@ from kvcache_svc.build import build_block_manager
 from pagedserve.chat import load_chat_template, render_chat
 from pagedserve.config import CacheConfig, ModelConfig, PagedServeConfig, SchedulerConfig
 from pagedserve.output import RequestOutputState, Usage
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, generation_config_defaults
 from pagedserve.step import SampledToken, one_executor
 from scheduler_svc.build import build_scheduler
 from scheduler_svc.engine_loop import CompletedCall, EngineLoop
@@ -97,6 +97,12 @@ class LLM:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() sample with when given no SamplingParams: the model's generation config's
+        (ModelConfig.generation_config), else SamplingParams' defaults, as vLLM's LLM."""
+        return SamplingParams(**generation_config_defaults(self.config.model_config.generation_config,
+                                                           self.runner.model_dir))
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -114,7 +120,7 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)

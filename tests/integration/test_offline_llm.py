@@ -406,6 +406,24 @@ def test_min_tokens_holds_back_stop_tokens(tiny_llm):
     assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
 
 
+def test_the_models_generation_config_gives_the_default_sampling_parameters(tmp_path):
+    """As vLLM's LLM: generate() without SamplingParams samples with those of the model's generation_config.json
+    (here greedy, 5 tokens at most); generation_config="vllm" keeps SamplingParams' own."""
+    from tests.conftest import write_tiny_model
+
+    write_tiny_model("llama", tmp_path)
+    saved = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**saved, "temperature": 0.0, "max_new_tokens": 5}))
+    llm = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory=4 << 20)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+    prompts = random_token_prompts(3, seed=4)
+    assert [r.token_ids for r in llm.generate(prompts)] == [
+        r.token_ids for r in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5))]
+    neutral = LLM(str(tmp_path), device="cpu", dtype="float32", kv_cache_memory=4 << 20, generation_config="vllm")
+    assert neutral.get_default_sampling_params() == SamplingParams()
+
+
 def test_prompts_without_a_tokenizer_must_be_token_ids(tiny_llm):
     with pytest.raises(ValueError, match="token ids"):
         tiny_llm.generate("some text", SamplingParams())
