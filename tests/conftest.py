@@ -1,8 +1,6 @@
 """Shared fixtures: tiny random-weight checkpoints written by transformers, and the default model."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -125,14 +123,9 @@ def tiny_llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_with_tokenizer(tmp_path_factory):
     """A tiny random Llama whose ids all decode with the default model's tokenizer (the frontend needs one)."""
-    from executor_svc.model_loader import resolve_model_dir
+    from tests.support.tiny_stack import write_tiny_model_with_tokenizer
 
-    path = tmp_path_factory.mktemp("tiny-llama-tokenized")
-    write_tiny_model("llama", path)
-    for source in resolve_model_dir("default").iterdir():
-        if source.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(source, path / source.name)
-    return path
+    return write_tiny_model_with_tokenizer(tmp_path_factory.mktemp("tiny-llama-tokenized"))
 
 
 @pytest.fixture
