@@ -26,8 +26,9 @@ run: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/pagedserve/v1/*.proto
 
+# The slowest tests are listed at the end, so that a run that creeps past its budget shows where.
 test: $(STAMP) redis-server
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The offload-tier tests start their own redis-server on a free port; this installs the binary if missing.
 redis-server:

@@ -10,6 +10,7 @@ baseline path at run time from the CPU's flags.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -41,11 +42,22 @@ def load_extension():
     # other's build at every start.
     digest = hashlib.sha256(str(CSRC).encode() + b"".join(p.read_bytes() for p in SOURCES + DEPENDS)).hexdigest()[:12]
     name = f"pagedserve_cpu_attention_{digest}"
-    if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file():
-        # Said before the wait, so that a first start is not taken for a hung one.
-        logger.info("compiling the CPU kernels (executor_svc/csrc) with g++: once for these sources, about a minute")
-    load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"],
-         extra_ldflags=["-fopenmp"], is_python_module=False)
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    # torch marks a build in progress with a `lock` file that only the builder removes: one killed while building
+    # (kill -9, the OOM killer, a container stopped) leaves it, and every later load waits for it forever. Builds
+    # and loads here hold a lock the kernel releases when its holder dies instead; under it, a `lock` file is
+    # necessarily such a leftover.
+    with open(build_dir / "pagedserve.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if (build_dir / "lock").exists():
+            logger.warning("removing %s, left by a build of the CPU kernels that did not finish", build_dir / "lock")
+            (build_dir / "lock").unlink(missing_ok=True)
+        if not (build_dir / f"{name}.so").is_file():
+            # Said before the wait, so that a first start is not taken for a hung one.
+            logger.info("compiling the CPU kernels (executor_svc/csrc) with g++: once for these sources, about a "
+                        "minute")
+        load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-fopenmp"],
+             extra_ldflags=["-fopenmp"], is_python_module=False)
     return torch.ops.pagedserve_cpu
 
 

@@ -222,3 +222,21 @@ def test_auto_selects_the_cpu_kernels_on_the_cpu():
         select_attention_backend("cpu", "cpu", head_dim=72, dtype=torch.float32)
     with pytest.raises(ValueError, match="cannot run on cuda"):
         select_attention_backend("cuda", "cpu", head_dim=64)
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_load():
+    """torch's `lock` file in the build directory, as a build killed while compiling leaves it, is removed under
+    the extension's own lock (released by the kernel when its holder dies): the next load goes on, where torch
+    alone would wait for the file forever."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    load_extension()  # built, so that the load below only loads
+    [build_dir] = {Path(p).parent for p in torch.ops.loaded_libraries if "pagedserve_cpu_attention_" in p}
+    (build_dir / "lock").touch()
+    run = subprocess.run([sys.executable, "-c", "from executor_svc.attention.cpu_backend import load_extension; "
+                          "load_extension().select_isa('auto')"], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr
+    assert not (build_dir / "lock").exists()
