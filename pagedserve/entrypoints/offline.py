@@ -91,6 +91,8 @@ class LLM:
         if self.tokenizer is not None and model_config.chat_template:
             self.tokenizer.chat_template = load_chat_template(model_config.chat_template)
         self.eos_token_ids = self.runner.eos_token_ids
+        # Read once, so that a bad generation_config.json is refused here rather than at a first generate().
+        self._default_sampling = generation_config_defaults(model_config.generation_config, self.runner.model_dir)
         self._request_ids = itertools.count()
 
     @property
@@ -100,8 +102,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() sample with when given no SamplingParams: the model's generation config's
         (ModelConfig.generation_config), else SamplingParams' defaults, as vLLM's LLM."""
-        return SamplingParams(**generation_config_defaults(self.config.model_config.generation_config,
-                                                           self.runner.model_dir))
+        return SamplingParams(**self._default_sampling)
 
     def generate(
         self,
@@ -217,7 +218,6 @@ class LLM:
         if not token_ids:
             raise ValueError("prompt must not be empty")
         return token_ids
-
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
