@@ -9,8 +9,8 @@ timed after each run, and each part's fastest counts. With --rounds N every syst
 interleaved, and each system's fastest run counts, as the bound's fastest timing does. Writes
 bench/results/throughput.json.
 
-    python bench/throughput.py [--dtype float32|bfloat16|auto] [--num-requests 64] [--rounds 1] [--skip-hf]
-                               [--skip-stack]
+    python bench/throughput.py [--dtype float32|bfloat16|auto] [--kv-cache-dtype auto|bfloat16]
+                               [--num-requests 64] [--rounds 1] [--skip-hf] [--skip-stack]
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pagedserve.config import ModelConfig  # noqa: E402
 def run_engine(args, prompts) -> tuple[dict, LLM]:
     """The engine's run, and the engine (its model times the bound)."""
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
 
@@ -108,7 +108,7 @@ def run_stack(args, prompts) -> dict:
     from pagedserve.v1 import generate_pb2_grpc
 
     config = PagedServeConfig.from_kwargs(model=args.model, device=args.device, dtype=args.dtype, port=0,
-                                          kv_cache_memory=args.kv_cache_memory,
+                                          kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                                           max_num_batched_tokens=args.max_num_batched_tokens)
 
     async def generate(stub, prompt: list[int], max_tokens: int) -> int:
@@ -167,6 +167,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--kv-cache-memory", type=int, default=2 << 30)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="the K/V's dtype in the engine and the stack (transformers keeps the model's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of every system, interleaved; each system's fastest counts")
@@ -210,6 +212,7 @@ def main() -> None:
     engine = fastest(runs["engine"])
     metrics = {"workload": {"num_requests": args.num_requests, "prompt_len": [64, 512],
                             "output_len": args.output_len, "dtype": args.dtype, "dtype_requested": requested_dtype,
+                            "kv_cache_dtype": args.kv_cache_dtype,
                             "device": args.device, "max_num_batched_tokens": args.max_num_batched_tokens},
                "rounds": args.rounds, "engine": engine}
     metrics.update({name: fastest(runs[name]) for name in ("stack", "transformers_generate_batch") if runs[name]})

@@ -20,7 +20,7 @@ SECTIONS = {
                     "kvcache", "advertise_address"),
     ModelConfig: ("model", "device", "dtype", "max_model_len", "seed", "attention_backend", "cpu_threads",
                   "enforce_eager", "cuda_graph_batch_sizes", "benchmark_sleep_ms"),
-    CacheConfig: ("block_size", "kv_cache_memory", "kv_cache_fraction", "offload", "offload_host_bytes",
+    CacheConfig: ("block_size", "kv_cache_dtype", "kv_cache_memory", "kv_cache_fraction", "offload", "offload_host_bytes",
                   "redis_url", "redis_ttl", "redis_namespace", "swap_host_bytes"),
     SchedulerConfig: ("max_num_seqs",),
 }

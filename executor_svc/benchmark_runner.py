@@ -21,7 +21,7 @@ import zlib
 
 import torch
 
-from executor_svc.kv_cache import kv_cache_budget, num_blocks_for_budget
+from executor_svc.kv_cache import kv_cache_budget, kv_cache_dtype, num_blocks_for_budget
 from executor_svc.model_config import ModelArchitecture, parse_dtype
 from executor_svc.model_loader import generation_eos_token_ids, model_fingerprint, resolve_model_dir
 from executor_svc.model_runner import LaunchedStep, ModelRunner
@@ -76,6 +76,7 @@ class SleepingRunner(ModelRunner):
         self.device_free_at = 0.0  # time.monotonic() at which the stand-in device finishes its last step
         self.device = torch.device("cpu")  # the pool is sized by the CPU rule: no device memory to measure
         self.dtype = parse_dtype(model_config.dtype)
+        self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype)
         self.block_size = cache_config.block_size
         self.model_dir = resolve_model_dir(model_config.model)
         self.config = ModelArchitecture.from_hf_config(
@@ -87,11 +88,11 @@ class SleepingRunner(ModelRunner):
         self.eos_token_set = frozenset(self.eos_token_ids)
         self.model_id = f"{model_fingerprint(self.model_dir)}|{model_config.dtype}|benchmark"
         self.attention_backend_name = "none"
-        budget = kv_cache_budget(cache_config, self.device, self.config.kv_bytes_per_token(self.dtype),
+        budget = kv_cache_budget(cache_config, self.device, self.config.kv_bytes_per_token(self.kv_dtype),
                                  self.config.max_model_len, scheduler_config.max_num_seqs)
-        self.num_blocks = num_blocks_for_budget(self.config, self.dtype, self.block_size, budget)
+        self.num_blocks = num_blocks_for_budget(self.config, self.kv_dtype, self.block_size, budget)
         self.max_model_len = min(self.config.max_model_len, self.num_blocks * self.block_size)
-        self.block_bytes = self.config.kv_bytes_per_token(self.dtype) * self.block_size
+        self.block_bytes = self.config.kv_bytes_per_token(self.kv_dtype) * self.block_size
         self.requests = {}
         # The per-request state of penalties and grammars lives here too: the step code keeps it up to date.
         self.token_counts = TokenCounts(self.config.vocab_size, self.device)

@@ -42,6 +42,11 @@ def host_memory_total() -> int:
     raise RuntimeError("cannot read MemTotal from /proc/meminfo; pass kv_cache_memory")
 
 
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The K/V tensors' dtype for CacheConfig.kv_cache_dtype: `auto` is the model's."""
+    return model_dtype if setting == "auto" else getattr(torch, setting)
+
+
 def num_blocks_for_budget(config: ModelArchitecture, dtype: torch.dtype, block_size: int, memory_bytes: int) -> int:
     block_bytes = config.kv_bytes_per_token(dtype) * block_size
     num_blocks = memory_bytes // block_bytes

@@ -21,7 +21,7 @@ import torch
 from executor_svc.attention.layout import BatchLayout
 from executor_svc.attention.selection import select_attention_backend
 from executor_svc import cuda_graphs
-from executor_svc.kv_cache import allocate_kv_caches, kv_cache_budget, num_blocks_for_budget
+from executor_svc.kv_cache import allocate_kv_caches, kv_cache_budget, kv_cache_dtype, num_blocks_for_budget
 from executor_svc.model_config import ModelArchitecture, parse_dtype
 from executor_svc.model_loader import (
     generation_eos_token_ids,
@@ -103,6 +103,8 @@ class ModelRunner:
         self.device = torch.device(model_config.device)
         self.dtype = parse_dtype(model_config.dtype)
         logger.info("dtype %s (%s)", model_config.dtype, dtype_reason(requested_dtype, model_config.device))
+        # Attention runs in the K/V's dtype (the model casts its queries and keys to it, and the output back).
+        self.kv_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, self.dtype)
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.cpu_threads or len(os.sched_getaffinity(0)))
             logger.info("%d torch threads", torch.get_num_threads())
@@ -115,10 +117,11 @@ class ModelRunner:
             sorted(set(self.config.eos_token_ids) | set(generation_eos_token_ids(self.model_dir)))
         )
         # What the K/V were computed with: prefix hashes (and so Redis keys) are rooted in it.
-        self.model_id = f"{model_fingerprint(self.model_dir)}|{model_config.dtype}"
+        self.model_id = f"{model_fingerprint(self.model_dir)}|{model_config.dtype}" + (
+            f"|kv {cache_config.kv_cache_dtype}" if self.kv_dtype != self.dtype else "")
 
         backend_cls, reason = select_attention_backend(
-            self.device, model_config.attention_backend, head_dim=self.config.head_dim, dtype=self.dtype
+            self.device, model_config.attention_backend, head_dim=self.config.head_dim, dtype=self.kv_dtype
         )
         self.attention_backend_name = backend_cls.name
         logger.info("attention backend %s (%s)", self.attention_backend_name, reason)
@@ -137,18 +140,18 @@ class ModelRunner:
             packed, plain = self.model.pack_bfloat16_linears()
             logger.info("linear layers: %d packed for oneDNN, %d plain", packed, plain)
 
-        budget = kv_cache_budget(cache_config, self.device, self.config.kv_bytes_per_token(self.dtype),
+        budget = kv_cache_budget(cache_config, self.device, self.config.kv_bytes_per_token(self.kv_dtype),
                                  self.config.max_model_len, scheduler_config.max_num_seqs)
-        self.num_blocks = num_blocks_for_budget(self.config, self.dtype, block_size, budget)
-        self.kv_caches = allocate_kv_caches(self.config, self.num_blocks, block_size, self.dtype, self.device)
+        self.num_blocks = num_blocks_for_budget(self.config, self.kv_dtype, block_size, budget)
+        self.kv_caches = allocate_kv_caches(self.config, self.num_blocks, block_size, self.kv_dtype, self.device)
         # A request alone must always fit in the pool, or preemption could never make room for it.
         self.max_model_len = min(self.config.max_model_len, self.num_blocks * block_size)
         if self.max_model_len < self.config.max_model_len:
             logger.warning("KV cache holds %d tokens; capping the context length at that", self.max_model_len)
         logger.info(
-            "model %s (%s, %s) on %s; KV cache %d blocks x %d tokens (%.1f MiB)",
-            self.model_dir, self.config.model_type, model_config.dtype, self.device, self.num_blocks, block_size,
-            budget / 2**20,
+            "model %s (%s, %s) on %s; KV cache (%s) %d blocks x %d tokens (%.1f MiB)",
+            self.model_dir, self.config.model_type, model_config.dtype, self.device,
+            str(self.kv_dtype).removeprefix("torch."), self.num_blocks, block_size, budget / 2**20,
         )
         self.sampler = Sampler(fused_ops.argmax if fused_ops is not None else None)
         self._last_sampling_batch: tuple[list[SamplingParams], SamplingBatch] | None = None
@@ -159,7 +162,7 @@ class ModelRunner:
         self.epoch = uuid.uuid4().hex
         self.scheduler_id = ""  # whose requests self.requests holds
         self.offload_tier = offload_tier
-        self.block_bytes = self.config.kv_bytes_per_token(self.dtype) * block_size
+        self.block_bytes = self.config.kv_bytes_per_token(self.kv_dtype) * block_size
         self.blocks_saved = self.blocks_loaded = self.failed_loads = 0
         self.bytes_saved = self.bytes_loaded = 0
         self.swap_space = SwapSpace(cache_config.swap_host_bytes)
@@ -603,7 +606,7 @@ class ModelRunner:
         index = torch.as_tensor(block_ids, device=self.device)
         raw = torch.frombuffer(bytearray(b"".join(values)), dtype=torch.uint8)
         layers = len(self.kv_caches)
-        stacked = raw.view(self.dtype).view(len(block_ids), layers, 2, *self.kv_caches[0][0].shape[1:]).to(self.device)
+        stacked = raw.view(self.kv_dtype).view(len(block_ids), layers, 2, *self.kv_caches[0][0].shape[1:]).to(self.device)
         for layer, (key_cache, value_cache) in enumerate(self.kv_caches):
             key_cache[index] = stacked[:, layer, 0]
             value_cache[index] = stacked[:, layer, 1]

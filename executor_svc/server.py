@@ -89,7 +89,7 @@ def executor_info(runner: ModelRunner) -> executor_pb2.ExecutorInfo:
         block_size=runner.block_size, max_model_len=runner.max_model_len,
         vocab_size=runner.config.vocab_size, eos_token_ids=list(runner.eos_token_ids),
         attention_backend=runner.attention_backend_name, device=str(runner.device),
-        dtype=str(runner.dtype).removeprefix("torch."),
+        dtype=str(runner.dtype).removeprefix("torch."), kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
         num_prefill_tokens=runner.num_prefill_tokens, num_decode_tokens=runner.num_decode_tokens,
         offload=tier.name if tier else "none", blocks_saved=runner.blocks_saved,
         blocks_loaded=runner.blocks_loaded, failed_loads=runner.failed_loads,

@@ -264,6 +264,10 @@ class CacheConfig(_Config):
     """The paged KV cache: its blocks, its size, prefix caching, the offload tier and preemption."""
 
     block_size: int = option(16, "tokens per KV block", min=1, max=1024)
+    kv_cache_dtype: str = option(
+        "auto", "dtype of the K/V tensors: `auto`, the model's. `bfloat16` halves a float32 model's KV memory and "
+                "the bytes decode attention reads; attention then runs in bfloat16, so outputs are close to "
+                "float32's, not equal to them", choices=("auto", "bfloat16", "float32"))
     kv_cache_memory: int | None = option(
         None, "bytes for the KV cache (default: on CUDA `kv_cache_fraction` of free device memory after the "
               "weights load; on the CPU what `max_num_seqs` requests of `max_model_len` tokens take, at most "

@@ -184,7 +184,13 @@ class Attention(nn.Module):
         elif self.rotary:
             q = _apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
             k = _apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin).reshape(num_tokens, -1)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.softcap)
+        key_cache, value_cache = kv_cache
+        if key_cache.dtype != q.dtype:  # a K/V dtype of its own (kv_cache_dtype): attention runs in it
+            cast = key_cache.dtype
+            out = self.backend.forward(q.to(cast), k.to(cast), v.to(cast), key_cache, value_cache, meta, self.window,
+                                       self.softcap).to(q.dtype)
+        else:
+            out = self.backend.forward(q, k, v, key_cache, value_cache, meta, self.window, self.softcap)
         return self.o_proj(out)
 
 

@@ -132,7 +132,7 @@ class ExecutorInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ExecutorInfo(_message.Message):
-    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id", "block_bytes", "epoch", "swap_capacity_blocks", "prefill_tokens_per_s", "copy_bytes_per_s")
+    __slots__ = ("model", "model_dir", "num_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "attention_backend", "device", "dtype", "num_prefill_tokens", "num_decode_tokens", "offload", "blocks_saved", "blocks_loaded", "failed_loads", "bytes_moved", "tier_errors", "offload_capacity_blocks", "offload_redis_url", "model_id", "block_bytes", "epoch", "swap_capacity_blocks", "prefill_tokens_per_s", "copy_bytes_per_s", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class ExecutorInfo(_message.Message):
     SWAP_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     COPY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_dir: str
     num_blocks: int
@@ -185,4 +186,5 @@ class ExecutorInfo(_message.Message):
     swap_capacity_blocks: int
     prefill_tokens_per_s: float
     copy_bytes_per_s: float
-    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., epoch: _Optional[str] = ..., swap_capacity_blocks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., copy_bytes_per_s: _Optional[float] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., model_dir: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_prefill_tokens: _Optional[int] = ..., num_decode_tokens: _Optional[int] = ..., offload: _Optional[str] = ..., blocks_saved: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., failed_loads: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., tier_errors: _Optional[int] = ..., offload_capacity_blocks: _Optional[int] = ..., offload_redis_url: _Optional[str] = ..., model_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., epoch: _Optional[str] = ..., swap_capacity_blocks: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., copy_bytes_per_s: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...

@@ -28,7 +28,7 @@ CHANGED = PagedServeConfig(
     ModelConfig(model="m", tokenizer="t", device="cpu", dtype="bfloat16", max_model_len=77, seed=3,
                 attention_backend="torch", cpu_threads=3, enforce_eager=True, cuda_graph_batch_sizes=(1, 3),
                 benchmark_sleep_ms=2.5, chat_template="{{ messages[0].content }}", generation_config="vllm"),
-    CacheConfig(block_size=8, kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
+    CacheConfig(block_size=8, kv_cache_dtype="bfloat16", kv_cache_memory=12345, kv_cache_fraction=0.5, enable_prefix_caching=False,
                 offload="redis", offload_host_bytes=99, redis_url="redis://r:1/0", redis_ttl=5, offload_all=True,
                 redis_namespace="tenant-7", preemption_mode="swap", swap_host_bytes=77, routing="round_robin"),
     SchedulerConfig(max_num_seqs=7, max_num_batched_tokens=99, enable_chunked_prefill=False, max_waiting=3,
