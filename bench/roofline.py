@@ -2,7 +2,7 @@
 256-512) vs the model's linear layers alone (every projection and the LM head, pure GEMM) at batch N, same
 model, dtype and threads, side by side in one run (the linear layers timed between the decode steps). Writes bench/results/roofline.json, `decode_vs_gemm`.
 
-    python bench/roofline.py [--dtype float32] [--num-requests 64] [--decode-steps 32]
+    python bench/roofline.py [--dtype float32] [--kv-cache-dtype auto] [--num-requests 64] [--decode-steps 32]
 """
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                         help="auto: as the executor picks it for this CPU")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--decode-steps", type=int, default=32)
@@ -86,7 +87,8 @@ def main() -> None:
 
     # The default pool (max_num_seqs requests of max_model_len tokens) holds every request's context.
     runner = ModelRunner(ModelConfig(args.model, device="cpu", dtype=args.dtype, attention_backend=args.attention_backend,
-                                     max_model_len=512, cpu_threads=args.threads), CacheConfig(), SchedulerConfig(max_num_seqs=args.num_requests))
+                                     max_model_len=512, cpu_threads=args.threads),
+                         CacheConfig(kv_cache_dtype=args.kv_cache_dtype), SchedulerConfig(max_num_seqs=args.num_requests))
     rng = random.Random(0)
     # Contexts stay within 256..512 through the decode steps.
     prompts = [[rng.randrange(runner.config.vocab_size) for _ in range(rng.randint(256, 512 - args.decode_steps))]
@@ -99,7 +101,8 @@ def main() -> None:
     gemm = batch / statistics.median(gemm_seconds)
     ratios = {"decode_vs_gemm": decode / gemm}
     metrics = {"decode_tok_per_s": decode, "gemm_tok_per_s": gemm, "num_requests": args.num_requests,
-               "decode_steps": args.decode_steps, "dtype": runner.model_config.dtype, "context": [256, 512],
+               "decode_steps": args.decode_steps, "dtype": runner.model_config.dtype,
+               "kv_cache_dtype": str(runner.kv_dtype).removeprefix("torch."), "context": [256, 512],
                "attention_backend": runner.attention_backend_name, "torch_threads": torch.get_num_threads()}
     print(f"decode {decode:.1f} tok/s, linear layers alone {gemm:.1f} tok/s, decode_vs_gemm {ratios['decode_vs_gemm']:.3f}")
     print(f"wrote {write_result(args.name, ratios, metrics)}")

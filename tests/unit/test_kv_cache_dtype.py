@@ -62,6 +62,7 @@ def test_preempted_requests_come_back_to_the_same_outputs(tiny_llama_dir, mode):
     needed = sum(-(-(len(p) + 24) // 16) for p in prompts)
     small = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_dtype="bfloat16",
                 kv_cache_memory=(needed // 4) * ample.runner.block_bytes, preemption_mode=mode)
+    assert small.runner.kv_caches[0][0].dtype == torch.bfloat16
     constrained = small.generate(prompts, params)
     assert small.scheduler.num_preemptions > 0
     if mode == "swap":
