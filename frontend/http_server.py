@@ -214,6 +214,18 @@ class Message(_Body):
     reasoning: str | None = pydantic.Field(None, validation_alias=pydantic.AliasChoices("reasoning",
                                                                                        "reasoning_content"))
 
+    @pydantic.field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        # Else an image part is refused as pydantic's "Input should be a valid string" (the union's first arm).
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"part {i} is of type {kind!r}: this model takes text only (parts of type "
+                                     "'text')")
+        return content
+
 
 class ChatRequest(_Sampling):
     messages: list[Message]
@@ -275,7 +287,9 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
         first = error.errors()[0]
         loc = [str(part) for part in first["loc"]]
         where = ".".join(loc)
-        raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"], loc[0] if loc else None,
+        # A validator's own message, without pydantic's "Value error, " before it.
+        message = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
+        raise APIError(400, f"{where}: {message}" if where else message, loc[0] if loc else None,
                        first["type"]) from None
 
 

@@ -2,7 +2,8 @@
 
 Random-weight Llama, Qwen2, Qwen3, Gemma 2 and 3, Phi-3, Qwen2-MoE and OLMo 2 checkpoints are written here (head sizes the kernels implement: 64
 and 128; GQA ratios 2, 4 and 7). bfloat16: logits of every step of a mixed batch (a fresh prompt, a prompt fed in
-chunks, a decoding sequence) within bf16 tolerance of transformers in bf16. float32: greedy tokens equal to
+chunks, a decoding sequence) within bf16 tolerance of transformers in bf16, and a float32 model over a bfloat16 KV
+cache within the same tolerance of transformers in float32. float32: greedy tokens equal to
 transformers' choices on the same sequence. The runners capture CUDA graphs, so their decode-only steps
 are graph replays.
 """
@@ -89,10 +90,10 @@ def model_dir(request, tmp_path_factory):
     return path
 
 
-def cupy_runner(path, dtype: str) -> ModelRunner:
+def cupy_runner(path, dtype: str, kv_cache_dtype: str = "auto") -> ModelRunner:
     """The runner with the CuPy backend; decode steps replay CUDA graphs (a mixture of experts' run eagerly)."""
     runner = ModelRunner(ModelConfig(str(path), dtype=dtype, device="cuda", attention_backend="cupy"),
-                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=64 << 20))
+                         CacheConfig(block_size=BLOCK_SIZE, kv_cache_memory=64 << 20, kv_cache_dtype=kv_cache_dtype))
     assert runner.attention_backend_name == "cupy" and isinstance(runner.attention, CupyPagedAttention)
     assert all(layer.self_attn.backend is runner.attention for layer in runner.model.layers)
     assert (runner.decode_graphs is None) == (runner.config.moe is not None)
@@ -131,9 +132,12 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(torch.tensor([tokens], device="cuda")).logits[0].float()
 
 
-def test_bfloat16_logits_match_transformers_at_every_step(model_dir):
-    runner = cupy_runner(model_dir, "bfloat16")
-    reference = hf_model(model_dir, torch.bfloat16)
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "auto"), ("float32", "bfloat16")])
+def test_bfloat16_logits_match_transformers_at_every_step(model_dir, dtype, kv_cache_dtype):
+    # A float32 model over a bfloat16 KV cache runs attention in bfloat16: within the same tolerance of float32.
+    runner = cupy_runner(model_dir, dtype, kv_cache_dtype)
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    reference = hf_model(model_dir, getattr(torch, dtype))
     driver = Driver(runner)
     gen = random.Random(1)
     sequences = {name: [gen.randrange(VOCAB - 1) for _ in range(700)] for name in ("fresh", "chunked", "decoding")}

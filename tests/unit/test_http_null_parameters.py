@@ -61,3 +61,18 @@ def test_the_api_answers_a_null_where_a_value_is_required_with_a_400():
     response = http_app().post("/v1/completions", json={"prompt": None, "temperature": None})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                                  {"type": "input_audio"}, "just a string"])
+def test_a_content_part_other_than_text_is_refused_by_its_type(part):
+    # Not pydantic's "Input should be a valid string", which left a client to guess what was wrong.
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}, part]}]}
+    with pytest.raises(APIError) as caught:
+        parse(ChatRequest, body)
+    kind = part.get("type") if isinstance(part, dict) else None
+    assert (caught.value.status, caught.value.param) == (400, "messages")
+    assert str(caught.value) == (f"messages.0.content: part 1 is of type {kind!r}: this model takes text "
+                                  "only (parts of type 'text')")
+    parsed = parse(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "Look:"}]}]})
+    assert parsed.messages[0].content[0].text == "Look:"
