@@ -78,9 +78,13 @@ class RequestState:
     # Prompt logprobs: the log-softmax of the last position computed, whose next token starts the next chunk.
     prompt_logprobs_row: torch.Tensor | None = None
     follows_tokens: bool = dataclasses.field(init=False)  # params.needs_token_history, asked every step
+    # With bad words: the output's last tokens, as many as the longest bad word's prefix.
+    output_tail: list[int] = dataclasses.field(default_factory=list)
+    output_tail_len: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.follows_tokens = self.params.needs_token_history
+        self.output_tail_len = max((len(s) - 1 for s in self.params.bad_words_token_ids), default=0)
 
 
 class ModelRunner:
@@ -222,7 +226,7 @@ class ModelRunner:
         if grammar_rows:
             grammars = [self.requests[sampling[row].request_id].grammar for row in grammar_rows]
             grammar_mask = (self.structured_output.bitmask(len(sampling), grammar_rows, grammars), grammar_rows)
-        banned = self._stop_tokens_before_min_tokens(sampling, sampled_positions)
+        banned = self._banned_tokens(sampling, sampled_positions)
         tokens = self.sampler(logits, batch, sampled_positions, penalty_counts, grammar_mask,
                               banned).to_sampled_tokens(batch)
         result.sampled = self._remember_samples(sampling, tokens)
@@ -270,17 +274,23 @@ class ModelRunner:
             self._last_sampling_batch = last = (params, SamplingBatch.build(params, self.device))
         return last[1]
 
-    def _stop_tokens_before_min_tokens(self, sampling, sampled_positions) -> tuple[list[int], list[int]] | None:
-        """(rows, token ids) of the stop tokens each row may not sample yet: its EOS and stop_token_ids until
-        min_tokens are out. None when no row has any."""
+    def _banned_tokens(self, sampling, sampled_positions) -> tuple[list[int], list[int]] | None:
+        """(rows, token ids) that each row may not sample: its stop tokens (EOS and stop_token_ids) until
+        min_tokens are out, and the last token of each bad word whose other tokens end the output (vLLM's
+        bad_words). None when no row has any."""
         rows, columns = [], []
         for row, (req, position) in enumerate(zip(sampling, sampled_positions)):
             state = self.requests[req.request_id]
-            if position - state.prompt_len >= state.params.min_tokens:
-                continue
-            banned = list(state.params.stop_token_ids)
-            if not state.params.ignore_eos:
-                banned.extend(self.eos_token_ids)
+            params = state.params
+            banned = []
+            if position - state.prompt_len < params.min_tokens:
+                banned += params.stop_token_ids
+                if not params.ignore_eos:
+                    banned += self.eos_token_ids
+            if params.bad_words_token_ids:
+                tail, num_output = state.output_tail, position - state.prompt_len
+                banned += [s[-1] for s in params.bad_words_token_ids
+                           if len(s) - 1 <= num_output and (len(s) == 1 or tail[len(tail) - len(s) + 1:] == s[:-1])]
             rows += [row] * len(banned)
             columns += banned
         return (rows, columns) if rows else None
@@ -393,6 +403,8 @@ class ModelRunner:
                 count_is_output += [i >= first_output for i in range(len(tokens))]
             if state.grammar is not None:
                 state.grammar.follow(req.request_id, tokens[first_output:])
+            if state.output_tail_len:
+                state.output_tail = (state.output_tail + tokens[first_output:])[-state.output_tail_len:]
         self.token_counts.record(count_ids, count_tokens, count_is_output)
 
     def _check(self, req: ExecuteRequest, state: RequestState | None) -> str | None:
@@ -403,8 +415,12 @@ class ModelRunner:
             return "unknown to the executor and carries no sampling parameters"
         if not tokens:
             return "no tokens to compute"
-        if params is not None and any(t >= vocab_size for t in params.logit_bias):
-            return f"logit_bias token ids must be below {vocab_size}"
+        if params is not None:
+            try:
+                params.check_token_ids(vocab_size)
+                params.check_allowed_tokens(self.eos_token_ids)
+            except ValueError as error:
+                return str(error)
         prefix = req.prefix_token_ids
         if min(tokens) < 0 or max(tokens) >= vocab_size or (prefix and (min(prefix) < 0 or max(prefix) >= vocab_size)):
             return f"token ids must be in [0, {vocab_size})"

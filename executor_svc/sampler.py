@@ -1,5 +1,5 @@
-"""Token sampling for a whole batch at once: logit bias, penalties, grammar masks, greedy, temperature,
-top-k, top-p, min-p, seeds, logprobs.
+"""Token sampling for a whole batch at once: logit bias, penalties, grammar masks, allowed and banned tokens,
+greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 Every step runs a fixed number of tensor ops whatever the batch size; the only per-request Python loop
 is over seeded rows, which each need a generator of their own so that their draws do not depend on the
@@ -62,6 +62,18 @@ class SamplingBatch:
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
     repetition_penalty: torch.Tensor | None = None
+    # Rows with allowed_token_ids [A], and (index into them, token id) of each allowed token. None: no row.
+    allowed_rows: torch.Tensor | None = None
+    allowed_index: torch.Tensor | None = None
+    allowed_token_ids: torch.Tensor | None = None
+    _allowed_mask: torch.Tensor | None = None  # [A, V] bool, built at the first sampling (V known then)
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        if self._allowed_mask is None or self._allowed_mask.shape[1] != vocab_size:
+            mask = torch.zeros(len(self.allowed_rows), vocab_size, dtype=torch.bool, device=self.allowed_rows.device)
+            mask[self.allowed_index, self.allowed_token_ids] = True
+            self._allowed_mask = mask
+        return self._allowed_mask
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingBatch:
@@ -79,6 +91,12 @@ class SamplingBatch:
             extra.update(bias_rows=torch.tensor(rows, device=device),
                          bias_token_ids=torch.tensor(token_ids, device=device),
                          bias_values=torch.tensor(values, dtype=torch.float32, device=device))
+        allowed = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+        if allowed:
+            pairs = [(i, token) for i, row in enumerate(allowed) for token in params[row].allowed_token_ids]
+            extra.update(allowed_rows=torch.tensor(allowed, device=device),
+                         allowed_index=torch.tensor([i for i, _ in pairs], device=device),
+                         allowed_token_ids=torch.tensor([t for _, t in pairs], device=device))
         penalized = [row for row, p in enumerate(params) if p.has_penalties]
         if penalized:
             column = lambda name: torch.tensor(  # noqa: E731
@@ -257,12 +275,15 @@ class Sampler:
         the token row i is sampling (used with the seed). penalty_counts: output counts and in-prompt flags
         of the batch's penalty rows (TokenCounts.gather). grammar_mask: a [B, ceil(V / 32)] int32 token
         bitmask and the rows it applies to (a grammar's allowed tokens). banned: (rows, token ids) that may not be
-        sampled (stop tokens before min_tokens)."""
+        sampled (stop tokens before min_tokens, bad words)."""
         raw = logits.float()
         adjusted = raw
         if (batch.bias_rows is not None or batch.penalty_rows is not None or grammar_mask is not None
-                or banned is not None):
+                or banned is not None or batch.allowed_rows is not None):
             adjusted = raw.clone()  # logprobs stay those of the model's own distribution
+            if batch.allowed_rows is not None:
+                rows = batch.allowed_rows
+                adjusted[rows] = adjusted[rows].masked_fill(~batch.allowed_mask(adjusted.shape[1]), float("-inf"))
             if banned is not None:
                 adjusted[banned] = float("-inf")
             if batch.bias_rows is not None:

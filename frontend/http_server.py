@@ -101,8 +101,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 # The values at which the vLLM parameters this server does not implement ask for nothing (_Sampling).
-NOT_IMPLEMENTED_AT = {"use_beam_search": False, "truncate_prompt_tokens": None,
-                      "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None}
+NOT_IMPLEMENTED_AT = {"use_beam_search": False, "truncate_prompt_tokens": None, "prompt_logprobs": None}
 NOT_IMPLEMENTED_HINTS = {"prompt_logprobs": " (a completion's echo with logprobs gives the prompt's; gRPC has "
                                             "prompt_logprobs)"}
 
@@ -177,13 +176,13 @@ class _Sampling(_Body):
     # vLLM's: the tokenizer's special tokens (a BOS) added to the text; None: yes for a prompt, no for messages.
     add_special_tokens: bool | None = None
     user: str | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[str] = []  # vLLM's: words that must not be generated
     # vLLM's parameters that this server does not implement: known, so that a value that would change the
     # answer is refused (NOT_IMPLEMENTED_AT) rather than ignored as an unknown field is.
     use_beam_search: bool = False
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -432,7 +431,7 @@ class OpenAIServer:
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "min_tokens",
                      "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                      "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority",
-                     "add_special_tokens"):
+                     "add_special_tokens", "allowed_token_ids", "bad_words"):
             if name in MODEL_DEFAULTED and name not in body.model_fields_set:
                 continue  # the model's default, else SamplingParams'
             setattr(inp, name, getattr(body, name))

@@ -208,6 +208,8 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
     inp.presence_penalty = sampling.presence_penalty
     inp.frequency_penalty = sampling.frequency_penalty
     inp.logit_bias = dict(sampling.logit_bias)
+    inp.allowed_token_ids = list(sampling.allowed_token_ids) or None
+    inp.bad_words = list(sampling.bad_words)
     inp.json_object = sampling.json_object
     which = request.WhichOneof("input")
     if which == "prompt":

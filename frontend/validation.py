@@ -63,6 +63,8 @@ class GenerateInput:
     frequency_penalty: float = 0.0
     repetition_penalty: float | None = None
     logit_bias: dict = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
     json_schema: str | None = None
     json_object: bool = False
     regex: str | None = None
@@ -98,6 +100,12 @@ def validate_and_tokenize(
     _check_prompt_size(inp, max_prompt_chars, max_model_len)
     # Cheap checks first: a bad temperature should not cost a chat template and a tokenization.
     params = _sampling_params(inp, vocab_size, sampling_defaults or {})
+    if params.bad_words:
+        _tokenize_bad_words(params, tokenizer, vocab_size)
+    try:
+        params.check_allowed_tokens()  # (EOS, which the frontend does not know, is the executor's to check)
+    except ValueError as e:
+        raise ValidationError("allowed_token_ids", str(e)) from None
     prompt_ids = _prompt_token_ids(inp, tokenizer, vocab_size)
     if len(prompt_ids) >= max_model_len:
         raise ValidationError(
@@ -197,7 +205,8 @@ def _sampling_params(inp: GenerateInput, vocab_size: int, defaults: dict) -> Sam
             prompt_logprobs=inp.prompt_logprobs,
             include_stop_str_in_output=inp.include_stop_str_in_output, skip_special_tokens=inp.skip_special_tokens,
             presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
-            logit_bias=inp.logit_bias, json_schema=inp.json_schema,
+            logit_bias=inp.logit_bias, allowed_token_ids=inp.allowed_token_ids, bad_words=inp.bad_words,
+            json_schema=inp.json_schema,
             json_object=inp.json_object, regex=inp.regex, choice=inp.choice, n=inp.n,
         )
         params.check_token_ids(vocab_size)
@@ -209,6 +218,16 @@ def _sampling_params(inp: GenerateInput, vocab_size: int, defaults: dict) -> Sam
     if params.structured:
         _check_grammar(params)
     return params
+
+
+def _tokenize_bad_words(params: SamplingParams, tokenizer: Any, vocab_size: int) -> None:
+    if tokenizer is None:
+        raise ValidationError("bad_words", "bad_words need the model's tokenizer, and this model has none")
+    params.tokenize_bad_words(tokenizer)
+    try:
+        params.check_token_ids(vocab_size)
+    except ValueError as e:
+        raise ValidationError("bad_words", str(e)) from None
 
 
 def _check_grammar(params: SamplingParams) -> None:

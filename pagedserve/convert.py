@@ -64,6 +64,10 @@ def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | N
     if params.regex is not None:
         out.regex = params.regex
     out.choice[:] = params.choice or []
+    out.allowed_token_ids[:] = params.allowed_token_ids or []
+    del out.bad_words_token_ids[:]
+    for ids in params.bad_words_token_ids:
+        out.bad_words_token_ids.add().ids[:] = ids
     if params.n != 1:
         out.n = params.n
     if params.prompt_logprobs is not None:
@@ -89,6 +93,8 @@ def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: 
         logit_bias=dict(message.logit_bias),
         json_object=message.json_object,
         choice=list(message.choice) or None,
+        allowed_token_ids=list(message.allowed_token_ids) or None,
+        bad_words_token_ids=[list(sequence.ids) for sequence in message.bad_words_token_ids],
     )
 
 

@@ -19,6 +19,9 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_PENALTY = 2.0
 # A choice request's strings become one grammar, compiled per request.
 MAX_CHOICES = 256
+# Every bad word's token sequences are matched against the output's tail at every step.
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 # Siblings share one prompt's prefill; each is a request of its own in the back end.
 MAX_N = 16
 # Seeds are int64 on the wire.
@@ -54,6 +57,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # vLLM's: only these tokens may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words that must not be generated. Where token ids become text (the frontend, the offline LLM)
+    # they are tokenized into bad_words_token_ids (tokenize_bad_words), which is what the executor acts on: a
+    # sequence's last token is banned wherever the output ends in the rest of it (one token: always).
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Structured output: the output is JSON that validates against this schema (JSON text), or any JSON
     # object with json_object; the executor masks every token the grammar does not allow.
     json_schema: str | None = None
@@ -126,6 +136,7 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= MAX_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
         self._check_logit_bias()
+        self._check_allowed_and_bad_words()
         self._check_structure()
         _check_int("n", self.n)
         if not 1 <= self.n <= MAX_N:
@@ -147,6 +158,9 @@ class SamplingParams:
         given += ["json_object"] if self.json_object else []
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} are exclusive: one structure per request")
+        # A grammar's mask and the allowed tokens could leave no token at all to sample.
+        if given and self.allowed_token_ids is not None:
+            raise ValueError(f"allowed_token_ids and {given[0]} are exclusive: a structure decides the tokens")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
@@ -166,6 +180,48 @@ class SamplingParams:
             bias[token_id] = float(value)
         self.logit_bias = bias
 
+    def _check_allowed_and_bad_words(self) -> None:
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id)
+                if token_id < 0:
+                    raise ValueError(f"allowed_token_ids must be non-negative token ids, got {token_id}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError("bad_words must be a list of strings")
+        self.bad_words = list(self.bad_words)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        if not all(w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise ValueError(f"bad_words must be words of 1 to {MAX_BAD_WORD_CHARS} characters, not blank")
+        sequences = self.bad_words_token_ids
+        if (not isinstance(sequences, (list, tuple)) or len(sequences) > 2 * MAX_BAD_WORDS
+                or not all(isinstance(s, (list, tuple)) and 0 < len(s) <= MAX_BAD_WORD_CHARS for s in sequences)):
+            raise ValueError(f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} non-empty token id lists")
+        for sequence in sequences:
+            for token_id in sequence:
+                _check_int("bad_words_token_ids", token_id)
+                if token_id < 0:
+                    raise ValueError(f"bad_words_token_ids must be non-negative token ids, got {token_id}")
+        self.bad_words_token_ids = [list(s) for s in sequences]
+
+    def tokenize_bad_words(self, tokenizer) -> None:
+        """bad_words_token_ids from bad_words, as vLLM tokenizes them: each word (leading spaces dropped) alone,
+        and after a space where that gives another first token in as many tokens (a word both at the start
+        and inside the text)."""
+        sequences = []
+        for word in self.bad_words:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not alone:  # (a tokenizer that drops the word entirely has nothing to ban)
+                continue
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        self.bad_words_token_ids = sequences
+
     def check_token_ids(self, vocab_size: int) -> None:
         """Refuses token ids the model has no logit for (a ValueError naming the field)."""
         beyond = [t for t in self.stop_token_ids if t >= vocab_size]
@@ -174,6 +230,24 @@ class SamplingParams:
         beyond = [t for t in self.logit_bias if t >= vocab_size]
         if beyond:
             raise ValueError(f"logit_bias token ids must be below the vocabulary size ({vocab_size}), got {beyond[0]}")
+        beyond = [t for t in self.allowed_token_ids or [] if t >= vocab_size]
+        if beyond:
+            raise ValueError(f"allowed_token_ids must be below the vocabulary size ({vocab_size}), got {beyond[0]}")
+        beyond = [t for s in self.bad_words_token_ids for t in s if t >= vocab_size]
+        if beyond:
+            raise ValueError(f"bad_words tokenize to ids beyond the vocabulary size ({vocab_size}): {beyond[0]}")
+
+    def check_allowed_tokens(self, eos_token_ids=()) -> None:
+        """Refuses allowed_token_ids that are all banned from the first token on (one-token bad words; the stop
+        tokens, EOS among them unless ignore_eos, while min_tokens holds them back): nothing could be sampled."""
+        if self.allowed_token_ids is None:
+            return
+        banned = {s[0] for s in self.bad_words_token_ids if len(s) == 1}
+        if self.min_tokens:
+            banned.update(self.stop_token_ids, () if self.ignore_eos else eos_token_ids)
+        if set(self.allowed_token_ids) <= banned:
+            raise ValueError("allowed_token_ids are all banned (by bad_words, or as stop tokens before min_tokens): "
+                             "nothing could be sampled")
 
     def for_choice(self, index: int) -> "SamplingParams":
         """What choice `index` of n runs with: one choice each, seeded choices seeded apart (so that they differ
@@ -209,8 +283,9 @@ class SamplingParams:
     @property
     def needs_token_history(self) -> bool:
         """The executor must see every token of the request (penalties count them, a grammar follows the
-        output), including those of a cached prefix that it never computes."""
-        return self.has_penalties or self.structured
+        output, bad words are matched against its tail), including those of a cached prefix that it never
+        computes."""
+        return self.has_penalties or self.structured or bool(self.bad_words_token_ids)
 
 
 def _check_number(name: str, value: object) -> None:

@@ -138,7 +138,12 @@ class LLM:
         siblings: dict[str, list[Request]] = {}  # choice 0's id -> the other choices, added once it has sampled
         prompt_choices: list[list[str]] = []
         for params in params_list:
+            if params.bad_words:
+                if self.tokenizer is None:
+                    raise ValueError("bad_words need the model's tokenizer, and this model has none")
+                params.tokenize_bad_words(self.tokenizer)
             params.check_token_ids(self.runner.config.vocab_size)
+            params.check_allowed_tokens(self.runner.eos_token_ids)
         for prompt, params, request_priority in zip(prompt_list, params_list, priorities):
             token_ids = self._tokenize(prompt)
             choices = []

@@ -356,6 +356,26 @@ def test_preemption_under_a_quarter_pool_leaves_greedy_outputs_unchanged(tiny_ll
     assert all(r.finish_reason == "length" for r in constrained)
 
 
+def test_bad_words_hold_through_preemption(tiny_llama_dir, tiny_llm):
+    # Each request bans a pair of its own greedy output's tokens: its output never holds that pair, and a request
+    # preempted and recomputed (its output's tail rebuilt from its tokens) ends as it would have unpreempted.
+    prompts = random_token_prompts(16, seed=3)
+    plain = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, bad_words_token_ids=[r.token_ids[4:6]])
+              for r in plain]
+    unpreempted = tiny_llm.generate(prompts, params)
+    for result, before, p in zip(unpreempted, plain, params):
+        pairs = list(zip(result.token_ids, result.token_ids[1:]))
+        assert tuple(p.bad_words_token_ids[0]) not in pairs and result.token_ids != before.token_ids
+    bytes_per_block = tiny_llm.runner.block_bytes
+    needed = sum(-(-(len(p) + 24) // 16) for p in prompts)
+    small = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", kv_cache_memory=(needed // 4) * bytes_per_block,
+                preemption_mode="recompute")
+    preempted = small.generate(prompts, params)
+    assert small.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in preempted] == [r.token_ids for r in unpreempted]
+
+
 @pytest.mark.parametrize("pool", ["ample", "quarter"])
 def test_slots_reserved_ahead_leave_greedy_outputs_unchanged(tiny_llama_dir, pool):
     """Three steps out, the engine plans steady decode steps on slots the block manager reserved ahead, without

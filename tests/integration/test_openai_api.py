@@ -387,6 +387,13 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"12": 500}}, "logit_bias"),
+    ("/v1/completions", {"prompt": PROMPT, "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [5], "guided_regex": "a+"}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": PROMPT, "allowed_token_ids": [7], "bad_words": ["x"], "min_tokens": 1,
+                         "stop_token_ids": [7]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": PROMPT, "bad_words": [" "]}, "bad_words"),
+    ("/v1/completions", {"prompt": PROMPT, "bad_words": "word"}, "bad_words"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "ignore_eos": "yes"}, "ignore_eos"),
@@ -440,8 +447,6 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1}, "prompt_logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [5]}, "allowed_token_ids"),
-    ("/v1/chat/completions", {"messages": CHAT, "bad_words": ["Paris"]}, "bad_words"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
 ]
 

@@ -216,15 +216,24 @@ class Reference:
     @functools.cache
     def greedy(self, prompt_ids: tuple[int, ...], max_tokens: int, *, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, logit_bias: tuple = (),
-               min_tokens: int = 0, ignore_eos: bool = False) -> tuple[int, ...]:
-        """vLLM's rules on transformers' logits: bias, then repetition over prompt and output, frequency and
-        presence over the output; end-of-sequence banned before min_tokens, and ending the output unless
-        ignore_eos."""
+               min_tokens: int = 0, ignore_eos: bool = False, allowed: tuple = (),
+               bad_words: tuple = ()) -> tuple[int, ...]:
+        """vLLM's rules on transformers' logits: only the allowed tokens (if any), bias, then repetition over
+        prompt and output, frequency and presence over the output; end-of-sequence banned before min_tokens,
+        and ending the output unless ignore_eos; a bad word's (token sequence's) last token banned where the
+        output ends in the rest of it."""
         out: list[int] = []
         with torch.no_grad():
             step = self.model(torch.tensor([prompt_ids]), use_cache=True)
             for _ in range(max_tokens):
                 logits = step.logits[0, -1].float().clone()
+                if allowed:
+                    keep = logits[list(allowed)].clone()
+                    logits[:] = -math.inf
+                    logits[list(allowed)] = keep
+                for sequence in bad_words:
+                    if len(sequence) == 1 or tuple(out[len(out) - len(sequence) + 1:]) == sequence[:-1]:
+                        logits[sequence[-1]] = -math.inf
                 for token, bias in logit_bias:
                     logits[token] += bias
                 for token in set(prompt_ids) | set(out):
@@ -406,6 +415,43 @@ def check_echo(api, ref):
         assert api.complete(PROMPT, temperature=0, max_tokens=4, echo=True).echo == PROMPT
 
 
+def check_allowed_token_ids(api, ref):
+    prompt = ref.ids(PROMPT)
+    greedy = ref.greedy(prompt, 8)
+    allowed = sorted(set(greedy[1:]) - {greedy[0]})  # the greedy output's tokens but its first
+    expected = ref.greedy(prompt, 8, allowed=tuple(allowed))
+    assert expected != greedy
+    assert api.complete(PROMPT, temperature=0, max_tokens=8, allowed_token_ids=allowed).text == ref.text(expected)
+    texts = {ref.tokenizer.decode([token]) for token in allowed}
+    sampled = api.complete(STORY, **{**Api.FREE_SAMPLE, "max_tokens": 16}, allowed_token_ids=allowed).tokens
+    assert all(t.text in texts for t in sampled), [t.text for t in sampled]
+    # The logprobs stay the model's own (vLLM's raw logprobs): the top ones are not all allowed tokens.
+    assert not all(set(t.top) <= texts for t in sampled)
+
+
+def check_bad_words(api, ref):
+    prompt = ref.ids(PROMPT)
+    greedy = ref.greedy(prompt, 12)
+
+    def sequences(word: str) -> tuple:  # vLLM's: the word alone, and after a space if that is as long
+        alone = tuple(ref.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(ref.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        return (alone, spaced) if spaced[0] != alone[0] and len(spaced) == len(alone) else (alone,)
+
+    # A two-token word of the greedy output: its first token stays, its second is banned right after it.
+    at = next(i for i in range(1, len(greedy) - 1)
+              if greedy[i:i + 2] in sequences(ref.text(greedy[i:i + 2])) and greedy[i] not in greedy[:i])
+    word = ref.text(greedy[at:at + 2])
+    expected = ref.greedy(prompt, 12, bad_words=sequences(word))
+    assert expected[:at + 1] == greedy[:at + 1] and expected[at + 1] != greedy[at + 1]
+    assert api.complete(PROMPT, temperature=0, max_tokens=12, bad_words=[word]).text == ref.text(expected)
+    # A one-token word is banned from the start, with and without its space.
+    first = ref.text(greedy[:1]).strip()
+    expected = ref.greedy(prompt, 12, bad_words=sequences(first))
+    result = api.complete(PROMPT, temperature=0, max_tokens=12, bad_words=[first])
+    assert result.text == ref.text(expected) and expected != greedy
+
+
 def check_request_id(api, ref):
     for _ in range(2):  # free again once the first has ended
         assert api.complete(PROMPT, max_tokens=2, request_id="table-request-1").request_id == "table-request-1"
@@ -477,6 +523,8 @@ PARAMETERS = {
     "frequency_penalty": check_penalty("frequency_penalty", 1.0),
     "repetition_penalty": check_penalty("repetition_penalty", 1.5),
     "logit_bias": check_logit_bias,
+    "allowed_token_ids": check_allowed_token_ids,
+    "bad_words": check_bad_words,
     "logprobs": check_logprobs,
     "echo": check_echo,
     "X-Request-Id": check_request_id,

@@ -74,9 +74,9 @@ def test_min_tokens_bans_each_rows_stop_tokens_until_they_are_out(tiny_llama_dir
     steps = [ExecuteRequest(request_id=r, token_ids=[1, 2], start_position=0, new_block_ids=[i], sample=True,
                             sampling_params=p, prompt_len=2) for i, (r, p) in enumerate((("early", early), ("late", late)))]
     runner.execute(ExecuteStep(steps))
-    rows, token_ids = runner._stop_tokens_before_min_tokens(steps, [2, 2])
+    rows, token_ids = runner._banned_tokens(steps, [2, 2])
     assert set(rows) == {0} and set(token_ids) == {7, *runner.eos_token_ids}
-    assert runner._stop_tokens_before_min_tokens(steps, [7, 7]) is None  # min_tokens out for both
+    assert runner._banned_tokens(steps, [7, 7]) is None  # min_tokens out for both
 
 
 def onednn_packs_bfloat16() -> bool:

@@ -468,6 +468,25 @@ def test_sampler_picks_under_the_adjusted_logits_and_reports_the_raw_logprobs():
     assert out.token_ids.tolist() == [3]
 
 
+def test_allowed_token_ids_confine_their_rows_alone_and_keep_the_raw_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    allowed = [7, 11, 40]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed, logprobs=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, allowed_token_ids=allowed), SamplingParams(temperature=1.0, seed=1)]
+    batch, sampler = SamplingBatch.build(params), Sampler()
+    assert logits[0].argmax().item() not in allowed
+    drawn = set()
+    for _ in range(200):
+        out = sampler(logits, batch, [0] * 4)
+        assert out.token_ids[0].item() == max(allowed, key=lambda t: logits[0, t].item())
+        assert out.token_ids[1].item() == logits[1].argmax().item()
+        drawn.add(out.token_ids[2].item())
+    assert drawn == set(allowed)  # every allowed token drawn, nothing else
+    assert out.top_token_ids[0].tolist() == [logits[0].argmax().item()]  # the model's own top token
+    assert batch.allowed_mask(50) is batch.allowed_mask(50)  # built once for a steady batch
+
+
 def test_banned_stop_tokens_are_never_sampled_yet_keep_their_raw_logprobs():
     """Before min_tokens the stop tokens may not be sampled, but the logprobs stay the model's own (vLLM's): the
     banned token still leads the top logprobs with its raw value, and the rest are not renormalised."""

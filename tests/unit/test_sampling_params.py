@@ -28,10 +28,56 @@ def test_defaults_are_vllms():
     ("top_k", 1 << 31), ("seed", 1 << 64), ("seed", -(1 << 63) - 1), ("stop_token_ids", [1 << 31]),
     ("logit_bias", {"\u00b2": 1.0}), ("logit_bias", {"\u0661\u0662": 1.0}),  # digits, not ASCII ones
     ("regex", ""), ("regex", 5), ("choice", []), ("choice", ["a", ""]), ("choice", "ab"), ("choice", ["a"] * 257),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", ["a"]), ("allowed_token_ids", 5),
+    ("allowed_token_ids", [1 << 31]), ("bad_words", "word"), ("bad_words", [" "]), ("bad_words", [3]),
+    ("bad_words", ["w"] * 65), ("bad_words", ["w" * 257]), ("bad_words_token_ids", [[]]),
+    ("bad_words_token_ids", [[-1]]), ("bad_words_token_ids", [1, 2]),
 ])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):
         SamplingParams(**{field: value})
+
+
+def test_allowed_tokens_that_could_never_be_sampled_are_refused():
+    # Structured output decides the tokens itself; together the two could leave none.
+    with pytest.raises(ValueError, match="^allowed_token_ids and regex are exclusive"):
+        SamplingParams(allowed_token_ids=[1], regex="a+")
+    with pytest.raises(ValueError, match="^allowed_token_ids must be below the vocabulary size"):
+        SamplingParams(allowed_token_ids=[1, 100]).check_token_ids(100)
+    with pytest.raises(ValueError, match="^bad_words tokenize to ids beyond"):
+        SamplingParams(bad_words_token_ids=[[5, 100]]).check_token_ids(100)
+    # All banned from the first token on: by one-token bad words, or as stop tokens (EOS among them) before
+    # min_tokens; a two-token bad word bans only after its first token, and ignore_eos keeps EOS allowed.
+    for params, eos in ((SamplingParams(allowed_token_ids=[1, 2], bad_words_token_ids=[[1], [2]]), ()),
+                        (SamplingParams(allowed_token_ids=[1, 2], stop_token_ids=[1], min_tokens=2), (2,))):
+        with pytest.raises(ValueError, match="^allowed_token_ids are all banned"):
+            params.check_allowed_tokens(eos)
+    SamplingParams(allowed_token_ids=[1, 2], bad_words_token_ids=[[1], [3, 2]]).check_allowed_tokens()
+    SamplingParams(allowed_token_ids=[1, 2], stop_token_ids=[1], min_tokens=2, ignore_eos=True).check_allowed_tokens((2,))
+    SamplingParams(allowed_token_ids=[1, 2], stop_token_ids=[1, 2]).check_allowed_tokens()  # no min_tokens
+
+
+class WordTokenizer:
+    """Each space-separated word one token; a word after a space another one, unless listed as the same."""
+
+    def __init__(self, same_spaced: set[str]) -> None:
+        self.same_spaced, self.ids = same_spaced, {}
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        assert not add_special_tokens
+        words = text.split(" ")
+        keys = [w if i == 0 or w in self.same_spaced else " " + w for i, w in enumerate(words) if w or i]
+        return [self.ids.setdefault(k, len(self.ids)) for k in keys if k.strip()]
+
+
+def test_bad_words_tokenize_alone_and_after_a_space_as_vllms_do():
+    tokenizer = WordTokenizer(same_spaced={"x"})
+    params = SamplingParams(bad_words=["  hello world", "x"])
+    params.tokenize_bad_words(tokenizer)
+    hello, world, spaced_hello, x = (tokenizer.ids[k] for k in ("hello", " world", " hello", "x"))
+    # The leading spaces dropped; " hello world" is another sequence as long; " x" is the same token as "x".
+    assert params.bad_words_token_ids == [[hello, world], [spaced_hello, world], [x]]
+    assert params.needs_token_history and not SamplingParams(bad_words=["w"]).needs_token_history
 
 
 def test_min_tokens_cannot_exceed_max_tokens():
