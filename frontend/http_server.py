@@ -101,7 +101,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 # The values at which the vLLM parameters this server does not implement ask for nothing (_Sampling).
-NOT_IMPLEMENTED_AT = {"use_beam_search": False, "truncate_prompt_tokens": None, "prompt_logprobs": None}
+NOT_IMPLEMENTED_AT = {"use_beam_search": False, "prompt_logprobs": None}
 NOT_IMPLEMENTED_HINTS = {"prompt_logprobs": " (a completion's echo with logprobs gives the prompt's; gRPC has "
                                             "prompt_logprobs)"}
 
@@ -178,10 +178,10 @@ class _Sampling(_Body):
     user: str | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[str] = []  # vLLM's: words that must not be generated
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens
     # vLLM's parameters that this server does not implement: known, so that a value that would change the
     # answer is refused (NOT_IMPLEMENTED_AT) rather than ignored as an unknown field is.
     use_beam_search: bool = False
-    truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
@@ -431,7 +431,7 @@ class OpenAIServer:
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "min_tokens",
                      "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                      "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority",
-                     "add_special_tokens", "allowed_token_ids", "bad_words"):
+                     "add_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens"):
             if name in MODEL_DEFAULTED and name not in body.model_fields_set:
                 continue  # the model's default, else SamplingParams'
             setattr(inp, name, getattr(body, name))
@@ -489,7 +489,8 @@ class OpenAIServer:
                 if not batch:
                     raise
                 raise APIError(error.status, f"prompt {i}: {error}", error.param, error.code) from None
-            echo = (one if isinstance(one, str) else self.tokenizer.decode(prompt_ids)) if body.echo else None
+            whole = isinstance(one, str) and params.truncate_prompt_tokens is None  # else the ids that remain
+            echo = (one if whole else self.tokenizer.decode(prompt_ids)) if body.echo else None
             parts.append(_CompletionPart(prompt_ids, params, echo, i * params.n))
         calls = [self._call(part.prompt_ids, part.params, inp, prompt_only) for part in parts]
         response_id = f"cmpl-{inp.request_id}"

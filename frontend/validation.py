@@ -65,6 +65,7 @@ class GenerateInput:
     logit_bias: dict = field(default_factory=dict)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    truncate_prompt_tokens: int | None = None
     json_schema: str | None = None
     json_object: bool = False
     regex: str | None = None
@@ -97,7 +98,7 @@ def validate_and_tokenize(
     """
     _check_request_id(inp.request_id)
     _check_frontend_fields(inp)
-    _check_prompt_size(inp, max_prompt_chars, max_model_len)
+    _check_prompt_size(inp, max_prompt_chars, None if inp.truncate_prompt_tokens is not None else max_model_len)
     # Cheap checks first: a bad temperature should not cost a chat template and a tokenization.
     params = _sampling_params(inp, vocab_size, sampling_defaults or {})
     if params.bad_words:
@@ -106,7 +107,7 @@ def validate_and_tokenize(
         params.check_allowed_tokens()  # (EOS, which the frontend does not know, is the executor's to check)
     except ValueError as e:
         raise ValidationError("allowed_token_ids", str(e)) from None
-    prompt_ids = _prompt_token_ids(inp, tokenizer, vocab_size)
+    prompt_ids = params.truncated(_prompt_token_ids(inp, tokenizer, vocab_size), max_model_len)
     if len(prompt_ids) >= max_model_len:
         raise ValidationError(
             "prompt", f"prompt is {len(prompt_ids)} tokens, the context holds {max_model_len} "
@@ -175,13 +176,15 @@ def _check_frontend_fields(inp: GenerateInput) -> None:
         raise ValidationError("priority", f"priority must be a 32-bit integer, got {inp.priority!r}")
 
 
-def _check_prompt_size(inp: GenerateInput, max_prompt_chars: int | None, max_model_len: int) -> None:
+def _check_prompt_size(inp: GenerateInput, max_prompt_chars: int | None, max_model_len: int | None) -> None:
+    """Refuses a prompt too long to tokenize, and prompt_token_ids beyond max_model_len (None: they will be
+    truncated)."""
     chars = input_chars(inp)
     if max_prompt_chars is not None and chars > max_prompt_chars:
         if isinstance(inp.prompt, str):
             raise ValidationError("prompt", f"prompt is {chars} characters, at most {max_prompt_chars} are accepted")
         raise ValidationError("messages", f"messages hold {chars} characters, at most {max_prompt_chars} are accepted")
-    if isinstance(inp.prompt_token_ids, list) and len(inp.prompt_token_ids) >= max_model_len:
+    if max_model_len is not None and isinstance(inp.prompt_token_ids, list) and len(inp.prompt_token_ids) >= max_model_len:
         raise ValidationError(
             "prompt", f"prompt is {len(inp.prompt_token_ids)} tokens, the context holds {max_model_len} "
             "and generation needs at least one more")
@@ -206,6 +209,7 @@ def _sampling_params(inp: GenerateInput, vocab_size: int, defaults: dict) -> Sam
             include_stop_str_in_output=inp.include_stop_str_in_output, skip_special_tokens=inp.skip_special_tokens,
             presence_penalty=inp.presence_penalty, frequency_penalty=inp.frequency_penalty,
             logit_bias=inp.logit_bias, allowed_token_ids=inp.allowed_token_ids, bad_words=inp.bad_words,
+            truncate_prompt_tokens=inp.truncate_prompt_tokens,
             json_schema=inp.json_schema,
             json_object=inp.json_object, regex=inp.regex, choice=inp.choice, n=inp.n,
         )

@@ -79,6 +79,9 @@ class SamplingParams:
     # the executor never look at these.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: only the prompt's last k tokens are used (left truncation), applied where the prompt is tokenized;
+    # -1: as many as the context holds with room for max_tokens (1 without it).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -138,6 +141,10 @@ class SamplingParams:
         self._check_logit_bias()
         self._check_allowed_and_bad_words()
         self._check_structure()
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}")
         _check_int("n", self.n)
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
@@ -236,6 +243,13 @@ class SamplingParams:
         beyond = [t for s in self.bad_words_token_ids for t in s if t >= vocab_size]
         if beyond:
             raise ValueError(f"bad_words tokenize to ids beyond the vocabulary size ({vocab_size}): {beyond[0]}")
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's token ids as truncate_prompt_tokens leaves them."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(max_model_len - (self.max_tokens or 1), 1)
+        return prompt_ids if keep is None or len(prompt_ids) <= keep else prompt_ids[len(prompt_ids) - keep:]
 
     def check_allowed_tokens(self, eos_token_ids=()) -> None:
         """Refuses allowed_token_ids that are all banned from the first token on (one-token bad words; the stop

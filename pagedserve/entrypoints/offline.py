@@ -145,7 +145,7 @@ class LLM:
             params.check_token_ids(self.runner.config.vocab_size)
             params.check_allowed_tokens(self.runner.eos_token_ids)
         for prompt, params, request_priority in zip(prompt_list, params_list, priorities):
-            token_ids = self._tokenize(prompt)
+            token_ids = params.truncated(self._tokenize(prompt), self.max_model_len)
             choices = []
             for index in range(params.n):
                 request_id = str(next(self._request_ids))

@@ -394,6 +394,8 @@ BAD = [
                          "stop_token_ids": [7]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": PROMPT, "bad_words": [" "]}, "bad_words"),
     ("/v1/completions", {"prompt": PROMPT, "bad_words": "word"}, "bad_words"),
+    ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 4, "max_tokens": 10**6}, "max_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "logit_bias": {"99999999": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": PROMPT, "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "ignore_eos": "yes"}, "ignore_eos"),
@@ -445,7 +447,6 @@ BAD = [
     # vLLM's parameters this server does not implement: refused where they would change the answer.
     ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
 ]

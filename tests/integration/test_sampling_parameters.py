@@ -452,6 +452,19 @@ def check_bad_words(api, ref):
     assert result.text == ref.text(expected) and expected != greedy
 
 
+def check_truncate_prompt_tokens(api, ref):
+    prompt = STORY + " " + PROMPT
+    kept = ref.ids(prompt)[-6:]
+    expected = ref.text(ref.greedy(kept, 8))
+    assert expected != ref.text(ref.greedy(ref.ids(prompt), 8)), "the cut must change the answer"
+    result = api.complete(prompt, temperature=0, max_tokens=8, truncate_prompt_tokens=6)
+    assert result.text == expected
+    if api.echoes_text:  # the prompt echoed as the model saw it, and counted so
+        body = api.client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1, echo=True,
+                                             extra_body={"truncate_prompt_tokens": 6})
+        assert body.choices[0].text.startswith(ref.text(kept)) and body.usage.prompt_tokens == 6
+
+
 def check_request_id(api, ref):
     for _ in range(2):  # free again once the first has ended
         assert api.complete(PROMPT, max_tokens=2, request_id="table-request-1").request_id == "table-request-1"
@@ -525,6 +538,7 @@ PARAMETERS = {
     "logit_bias": check_logit_bias,
     "allowed_token_ids": check_allowed_token_ids,
     "bad_words": check_bad_words,
+    "truncate_prompt_tokens": check_truncate_prompt_tokens,
     "logprobs": check_logprobs,
     "echo": check_echo,
     "X-Request-Id": check_request_id,

@@ -32,6 +32,7 @@ def test_defaults_are_vllms():
     ("allowed_token_ids", [1 << 31]), ("bad_words", "word"), ("bad_words", [" "]), ("bad_words", [3]),
     ("bad_words", ["w"] * 65), ("bad_words", ["w" * 257]), ("bad_words_token_ids", [[]]),
     ("bad_words_token_ids", [[-1]]), ("bad_words_token_ids", [1, 2]),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 1.5),
 ])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):
@@ -78,6 +79,16 @@ def test_bad_words_tokenize_alone_and_after_a_space_as_vllms_do():
     # The leading spaces dropped; " hello world" is another sequence as long; " x" is the same token as "x".
     assert params.bad_words_token_ids == [[hello, world], [spaced_hello, world], [x]]
     assert params.needs_token_history and not SamplingParams(bad_words=["w"]).needs_token_history
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
+    prompt = list(range(100, 120))
+    assert SamplingParams().truncated(prompt, 64) is prompt
+    assert SamplingParams(truncate_prompt_tokens=5).truncated(prompt, 64) == prompt[-5:]
+    assert SamplingParams(truncate_prompt_tokens=50).truncated(prompt, 64) == prompt
+    # -1: whatever leaves room for max_tokens in the context (one token without max_tokens).
+    assert SamplingParams(truncate_prompt_tokens=-1, max_tokens=4).truncated(prompt, 16) == prompt[-12:]
+    assert SamplingParams(truncate_prompt_tokens=-1, max_tokens=None).truncated(prompt, 16) == prompt[-15:]
 
 
 def test_min_tokens_cannot_exceed_max_tokens():
