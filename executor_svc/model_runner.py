@@ -510,11 +510,13 @@ class ModelRunner:
                                      if end < state.prompt_len else None)
         tokens = []
         for rows, targets in blocks:
-            chosen = rows.gather(1, torch.tensor(targets, device=rows.device).unsqueeze(1)).squeeze(1).tolist()
+            chosen = rows.gather(1, torch.tensor(targets, device=rows.device).unsqueeze(1))
+            ranks = ((rows > chosen).sum(dim=1) + 1).tolist()  # (vLLM's rank: 1 + the tokens more likely)
             top = rows.topk(num_top, dim=-1) if num_top else None
             top_ids = top.indices.tolist() if top is not None else [[] for _ in targets]
             top_logprobs = top.values.tolist() if top is not None else [[] for _ in targets]
-            tokens += [SampledToken(*entry) for entry in zip(targets, chosen, top_ids, top_logprobs)]
+            tokens += [SampledToken(*entry)
+                       for entry in zip(targets, chosen.squeeze(1).tolist(), top_ids, top_logprobs, ranks)]
         return PromptLogprobs(first_position, tokens)
 
     def _compute_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:

@@ -101,9 +101,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 # The values at which the vLLM parameters this server does not implement ask for nothing (_Sampling).
-NOT_IMPLEMENTED_AT = {"use_beam_search": False, "prompt_logprobs": None}
-NOT_IMPLEMENTED_HINTS = {"prompt_logprobs": " (a completion's echo with logprobs gives the prompt's; gRPC has "
-                                            "prompt_logprobs)"}
+NOT_IMPLEMENTED_AT = {"use_beam_search": False}
 
 # ------------------------------------------------------------------------------------------ request bodies
 # Strict: a string where a number belongs is refused, not converted. Unknown fields are ignored, as OpenAI's
@@ -179,10 +177,10 @@ class _Sampling(_Body):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[str] = []  # vLLM's: words that must not be generated
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank, and the top k there
     # vLLM's parameters that this server does not implement: known, so that a value that would change the
     # answer is refused (NOT_IMPLEMENTED_AT) rather than ignored as an unknown field is.
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -290,6 +288,14 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
         message = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"]
         raise APIError(400, f"{where}: {message}" if where else message, loc[0] if loc else None,
                        first["type"]) from None
+
+
+def _top(tokens: list[SampledToken] | None, num: int) -> list[SampledToken] | None:
+    """The tokens with their top logprobs cut to num (the engine computed as many as the largest use asked)."""
+    if tokens is None:
+        return None
+    return [dataclasses.replace(t, top_token_ids=(t.top_token_ids or [])[:num], top_logprobs=(t.top_logprobs or [])[:num])
+            for t in tokens]
 
 
 # ------------------------------------------------------------------------------------------ the API
@@ -425,13 +431,15 @@ class OpenAIServer:
         self._check_model(body.model)
         for name, inert in NOT_IMPLEMENTED_AT.items():
             if getattr(body, name) not in (inert, []):
-                hint = NOT_IMPLEMENTED_HINTS.get(name, "")
-                raise APIError(400, f"{name} is not supported by this server{hint}", name)
+                raise APIError(400, f"{name} is not supported by this server", name)
+        if body.prompt_logprobs is not None and body.stream:
+            raise APIError(400, "prompt_logprobs are not available with stream (as in vLLM)", "prompt_logprobs")
         inp = GenerateInput(request_id=request.headers.get("x-request-id") or uuid.uuid4().hex)
         for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "min_tokens",
                      "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                      "skip_special_tokens", "include_stop_str_in_output", "cache_salt", "priority",
-                     "add_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens"):
+                     "add_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                     "prompt_logprobs"):
             if name in MODEL_DEFAULTED and name not in body.model_fields_set:
                 continue  # the model's default, else SamplingParams'
             setattr(inp, name, getattr(body, name))
@@ -477,8 +485,10 @@ class OpenAIServer:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo, which scores the prompt alone)",
                            "max_tokens")
         inp.max_tokens, inp.logprobs = 1 if prompt_only else body.max_tokens, body.logprobs
-        if body.echo:  # the echoed prompt's tokens come with their logprobs
-            inp.prompt_logprobs = body.logprobs
+        # The echoed prompt's tokens come with their logprobs; with prompt_logprobs as well, the engine computes
+        # the larger number of top logprobs, and each use keeps its own.
+        asked = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
+        inp.prompt_logprobs = max(asked, default=None)
         parts = []
         for i, one in enumerate(prompts):
             part_input = dataclasses.replace(inp, prompt=one if isinstance(one, str) else None,
@@ -499,7 +509,7 @@ class OpenAIServer:
                 if delta.prompt_logprobs is not None:
                     part.prompt_logprobs = delta.prompt_logprobs  # choice 0's, echoed by every choice
                 echoed = None
-                if first and part.echo is not None and part.params.prompt_logprobs is not None:
+                if first and part.echo is not None and body.logprobs is not None:
                     echoed = self._echoed_tokens(part.prompt_ids, part.prompt_logprobs)
                 start = part.streamed.get(delta.index, 0)
                 out = self._completion_chunk(delta, part.echo if first else None, echoed, part.first_index, start)
@@ -512,13 +522,16 @@ class OpenAIServer:
         choices, usages = [], []
         for part, deltas in zip(parts, collected):
             echoed = None
-            if part.echo is not None and part.params.prompt_logprobs is not None:
-                echoed = self._echoed_tokens(part.prompt_ids,
-                                             next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None))
+            prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None)
+            if part.echo is not None and body.logprobs is not None:
+                echoed = self._echoed_tokens(part.prompt_ids, _top(prompt_logprobs, body.logprobs))
             for index in range(part.params.n):
                 mine = [d for d in deltas if d.index == index]
                 choice = {"index": part.first_index + index, "text": (part.echo or "") + "".join(d.text for d in mine),
                           "logprobs": None, "finish_reason": mine[-1].finish_reason}
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(part.prompt_ids, prompt_logprobs,
+                                                                      body.prompt_logprobs)
                 if part.params.logprobs is not None:
                     choice["logprobs"] = self._completion_logprobs(
                         (echoed or []) + [t for d in mine for t in d.logprobs or []])
@@ -576,8 +589,12 @@ class OpenAIServer:
                              if params.logprobs is not None else None),
                 "finish_reason": finish_reason,
             })
-        return self._json({"id": response_id, "object": "chat.completion", "created": int(time.time()),
-                           "model": self.model_name, "choices": choices, "usage": _usage(deltas)}, inp.request_id)
+        answer = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                  "model": self.model_name, "choices": choices, "usage": _usage(deltas)}
+        if body.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = self._prompt_logprobs(
+                prompt_ids, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None), body.prompt_logprobs)
+        return self._json(answer, inp.request_id)
 
     def _reasoning_parser(self, inp: GenerateInput) -> str | None:
         """The parser that splits the thinking from the answer, where the output is free: structured output
@@ -889,6 +906,19 @@ class OpenAIServer:
                              {self._token_text(i): lp for i, lp in zip(t.top_token_ids, t.top_logprobs)}
                              for t in tokens],
         }
+
+    def _prompt_logprobs(self, prompt_ids: list[int], tokens: list[SampledToken] | None, num: int) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then per position {token id: {logprob, rank,
+        decoded_token}} of the prompt's token there and the num most likely."""
+        def entry(logprob: float, rank: int | None, token_id: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}
+
+        out: list = [None]
+        for t in self._echoed_tokens(prompt_ids, tokens)[1:]:
+            ranked = {str(i): entry(lp, rank, i) for rank, (i, lp) in
+                      enumerate(zip(t.top_token_ids[:num], t.top_logprobs[:num]), start=1)}
+            out.append({str(t.token_id): entry(t.logprob, t.rank, t.token_id), **ranked})
+        return out
 
     def _chat_logprobs(self, tokens) -> list[dict]:
         def entry(token_id: int, logprob: float) -> dict:

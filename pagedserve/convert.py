@@ -104,6 +104,8 @@ def token_to_proto(token: SampledToken, out: common_pb2.TokenLogprob) -> common_
         out.logprob = token.logprob
         out.top_token_ids[:] = token.top_token_ids or []
         out.top_logprobs[:] = token.top_logprobs or []
+    if token.rank is not None:
+        out.rank = token.rank
     return out
 
 
@@ -111,7 +113,8 @@ def token_from_proto(message: common_pb2.TokenLogprob) -> SampledToken:
     if not message.HasField("logprob"):
         return SampledToken(message.token_id)
     return SampledToken(
-        message.token_id, message.logprob, list(message.top_token_ids), list(message.top_logprobs)
+        message.token_id, message.logprob, list(message.top_token_ids), list(message.top_logprobs),
+        message.rank if message.HasField("rank") else None,
     )
 
 

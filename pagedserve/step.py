@@ -185,6 +185,7 @@ class SampledToken:
     logprob: float | None = None  # log-probability of token_id under the model's distribution
     top_token_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    rank: int | None = None  # of token_id in the distribution, 1 for the most likely (prompt logprobs)
 
 
 @dataclass(slots=True)

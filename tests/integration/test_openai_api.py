@@ -447,7 +447,8 @@ BAD = [
     # vLLM's parameters this server does not implement: refused where they would change the answer.
     ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
-    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
 ]
 

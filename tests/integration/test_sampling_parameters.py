@@ -147,6 +147,19 @@ class HttpApi(Api):
         return result
 
 
+    def prompt_logprobs(self, num: int, prompt: str | None = None, messages: list[dict] | None = None) -> list[dict]:
+        """vLLM's prompt_logprobs as {token id: (logprob, rank)} per prompt position after the first."""
+        if messages is not None:
+            body = self.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                       extra_body={"prompt_logprobs": num}).model_extra
+        else:
+            body = self.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                                  extra_body={"prompt_logprobs": num}).choices[0].model_extra
+        first, *rest = body["prompt_logprobs"]
+        assert first is None
+        return [{int(i): (e["logprob"], e["rank"]) for i, e in entry.items()} for entry in rest]
+
+
 class GrpcApi(Api):
     name = "grpc"
     echoes_text = False  # the caller has its prompt: prompt_logprobs gives what echo's logprobs give
@@ -184,6 +197,13 @@ class GrpcApi(Api):
                 used += response.usage.completion_tokens
         choices = [Choice(texts[i], finish[i], tokens[i] if logprobs is not None else None) for i in sorted(texts)]
         return Result(choices, used, response_id, prompt_tokens)
+
+    def prompt_logprobs(self, num: int, prompt: str | None = None, messages: list[dict] | None = None) -> list[dict]:
+        request = build_request(prompt, messages=messages, max_tokens=1, prompt_logprobs=num)
+        entries = next(r.prompt_logprobs for r in self.client.stream(request, timeout=300) if r.prompt_logprobs)
+        return [{e.token_id: (e.logprob, e.rank),
+                 **{i: (lp, rank) for rank, (i, lp) in enumerate(zip(e.top_token_ids, e.top_logprobs), start=1)}}
+                for e in entries]
 
 
 @pytest.fixture(scope="module", params=["http", "grpc"])
@@ -465,6 +485,26 @@ def check_truncate_prompt_tokens(api, ref):
         assert body.choices[0].text.startswith(ref.text(kept)) and body.usage.prompt_tokens == 6
 
 
+def check_prompt_logprobs(api, ref):
+    for inputs in (dict(prompt=PROMPT), dict(messages=CHAT)):
+        prompt = ref.ids(inputs.get("prompt"), inputs.get("messages"))
+        expected = ref.log_softmax(prompt)
+        entries = api.prompt_logprobs(2, **inputs)
+        assert len(entries) == len(prompt) - 1
+        for position, entry in enumerate(entries, start=1):
+            row = expected[position - 1]
+            top = row.topk(2)
+            # The prompt's token there, ranked among all tokens (1 + those more likely), and the two most likely.
+            wanted = {prompt[position]: (row[prompt[position]].item(), 1 + int((row > row[prompt[position]]).sum()))}
+            wanted |= {i: (lp, rank) for rank, (i, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1)}
+            assert entry.keys() == wanted.keys(), position
+            for token, (logprob, rank) in wanted.items():
+                assert entry[token][0] == pytest.approx(logprob, abs=1e-3)
+                # Far down the distribution, near ties may order differently in another float32 implementation.
+                slack = 0 if rank <= 2 else max(1, rank // 100)
+                assert abs(entry[token][1] - rank) <= slack, (position, token, entry[token][1], rank)
+
+
 def check_request_id(api, ref):
     for _ in range(2):  # free again once the first has ended
         assert api.complete(PROMPT, max_tokens=2, request_id="table-request-1").request_id == "table-request-1"
@@ -541,6 +581,7 @@ PARAMETERS = {
     "truncate_prompt_tokens": check_truncate_prompt_tokens,
     "logprobs": check_logprobs,
     "echo": check_echo,
+    "prompt_logprobs": check_prompt_logprobs,
     "X-Request-Id": check_request_id,
     "response_format-json_object": check_json_object,
     "response_format-json_schema": check_json_schema,
