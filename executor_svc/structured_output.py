@@ -108,7 +108,7 @@ class StructuredOutput:
 
     def grammar(self, params: SamplingParams) -> RequestGrammar:
         """A new request's grammar state; its grammar compiles in the background unless it already has."""
-        source = params.grammar()
+        source = params.grammar_source()
         compiled = self._grammars.get(source)
         if compiled is None:
             compiled = self._grammars[source] = self._pool.submit(self._compile, *source)

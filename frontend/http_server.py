@@ -53,7 +53,8 @@ CLIENT_CLOSED = 499  # the status of a whole answer that its client left before 
 OPEN_PATHS = ("/health", "/metrics")
 # Request fields whose name differs on this API from the validation's (GenerateInput's).
 HTTP_PARAM = {"json_schema": "response_format", "json_object": "response_format", "request_id": "X-Request-Id",
-              "prompt_token_ids": "prompt", "regex": "guided_regex", "choice": "guided_choice"}
+              "prompt_token_ids": "prompt", "regex": "guided_regex", "choice": "guided_choice",
+              "grammar": "guided_grammar"}
 # The Responses API's names for the chat path's fields.
 RESPONSES_PARAM = {"messages": "input", "prompt": "input", "max_tokens": "max_output_tokens",
                    "response_format": "text"}
@@ -184,6 +185,7 @@ class _Sampling(_Body):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -452,14 +454,15 @@ class OpenAIServer:
             inp.json_schema = json.dumps(body.response_format.json_schema.schema_)
         # vLLM's names for structured output. One kind per request, refused here for a second so that the 400
         # names the HTTP field (SamplingParams would name its own).
-        guided = [name for name in ("guided_json", "guided_regex", "guided_choice") if getattr(body, name) is not None]
+        guided = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                  if getattr(body, name) is not None]
         if body.response_format is not None and body.response_format.type != "text":
             guided.insert(0, "response_format")
         if len(guided) > 1:
             raise APIError(400, f"{' and '.join(guided)} are exclusive: one structure per request", guided[-1])
         if body.guided_json is not None:
             inp.json_schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
-        inp.regex, inp.choice = body.guided_regex, body.guided_choice
+        inp.regex, inp.choice, inp.grammar = body.guided_regex, body.guided_choice, body.guided_grammar
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream", "stream_options")
         return inp
@@ -599,8 +602,7 @@ class OpenAIServer:
     def _reasoning_parser(self, inp: GenerateInput) -> str | None:
         """The parser that splits the thinking from the answer, where the output is free: structured output
         constrains it from its first token, which leaves no room to think."""
-        free = inp.json_schema is None and not inp.json_object and inp.regex is None and inp.choice is None
-        if not free or self.reasoning_parser is None:
+        if inp.structured or self.reasoning_parser is None:
             return None
         if self.reasoning_parser in KEEPS_SPECIAL_TOKENS:
             inp.skip_special_tokens = False  # the parser reads the tags
@@ -616,7 +618,7 @@ class OpenAIServer:
             raise APIError(400, str(error), error.field) from None
         inp.tools = tools
         if plan is not None and plan.schema is not None:
-            if inp.json_schema is not None or inp.json_object or inp.regex is not None or inp.choice is not None:
+            if inp.structured:
                 raise APIError(400, "tool calls are decoded under their own schema: give no other structured output "
                                     "with tool_choice", "tool_choice")
             inp.json_schema = plan.schema

@@ -201,7 +201,8 @@ def _generate_input(request: generate_pb2.GenerateRequest) -> GenerateInput:
         add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
     )
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "skip_special_tokens",
-                 "repetition_penalty", "json_schema", "n", "prompt_logprobs", "regex", "truncate_prompt_tokens"):
+                 "repetition_penalty", "json_schema", "n", "prompt_logprobs", "regex", "truncate_prompt_tokens",
+                 "grammar"):
         if sampling.HasField(name):
             setattr(inp, name, getattr(sampling, name))
     inp.choice = list(sampling.choice) or None

@@ -70,10 +70,17 @@ class GenerateInput:
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
     n: int = 1
     # Not a sampling parameter: it keeps requests apart in the prefix cache.
     cache_salt: str | None = None
     priority: int = 0  # lower runs first under the scheduler's priority policy
+
+    @property
+    def structured(self) -> bool:
+        """Whether some structured output is asked (SamplingParams.structured, before the checks)."""
+        return self.json_object or any(getattr(self, name) is not None
+                                       for name in ("json_schema", "regex", "choice", "grammar"))
 
 
 # The sampling fields a model's generation config may give defaults for (generation_config_defaults): left
@@ -211,7 +218,7 @@ def _sampling_params(inp: GenerateInput, vocab_size: int, defaults: dict) -> Sam
             logit_bias=inp.logit_bias, allowed_token_ids=inp.allowed_token_ids, bad_words=inp.bad_words,
             truncate_prompt_tokens=inp.truncate_prompt_tokens,
             json_schema=inp.json_schema,
-            json_object=inp.json_object, regex=inp.regex, choice=inp.choice, n=inp.n,
+            json_object=inp.json_object, regex=inp.regex, choice=inp.choice, grammar=inp.grammar, n=inp.n,
         )
         params.check_token_ids(vocab_size)
     except ValueError as e:
@@ -236,7 +243,7 @@ def _tokenize_bad_words(params: SamplingParams, tokenizer: Any, vocab_size: int)
 
 def _check_grammar(params: SamplingParams) -> None:
     """Refuses here what the executor's grammar compiler would refuse, so that it fails as a bad request."""
-    kind, source = params.grammar()
+    kind, source = params.grammar_source()
     if kind == "json_schema":
         try:
             json.loads(source)
@@ -252,7 +259,7 @@ def _check_grammar(params: SamplingParams) -> None:
         if build is not None:
             build(source)
     except RuntimeError as e:
-        field = "choice" if kind == "ebnf" else kind
+        field = ("grammar" if params.grammar is not None else "choice") if kind == "ebnf" else kind
         # (xgrammar starts its messages with the time and its own source line: the client needs neither)
         reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(e).strip())
         raise ValidationError(field, f"{field} is not usable: {reason}") from None

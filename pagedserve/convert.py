@@ -63,6 +63,8 @@ def sampling_to_proto(params: SamplingParams, out: common_pb2.SamplingParams | N
     out.json_object = params.json_object
     if params.regex is not None:
         out.regex = params.regex
+    if params.grammar is not None:
+        out.grammar = params.grammar
     out.choice[:] = params.choice or []
     out.allowed_token_ids[:] = params.allowed_token_ids or []
     del out.bad_words_token_ids[:]
@@ -79,7 +81,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams, default_max_tokens: 
     """Unset fields take SamplingParams' defaults; raises ValueError naming a bad field."""
     fields = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "repetition_penalty", "json_schema",
-                 "n", "prompt_logprobs", "regex"):
+                 "n", "prompt_logprobs", "regex", "grammar"):
         if message.HasField(name):
             fields[name] = getattr(message, name)
     fields["max_tokens"] = message.max_tokens if message.HasField("max_tokens") else default_max_tokens

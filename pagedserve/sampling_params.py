@@ -68,10 +68,12 @@ class SamplingParams:
     # object with json_object; the executor masks every token the grammar does not allow.
     json_schema: str | None = None
     json_object: bool = False
-    # Or the output matches this regular expression, or is exactly one of these strings (vLLM's guided_regex
-    # and guided_choice); at most one kind of structure per request.
+    # Or the output matches this regular expression, is exactly one of these strings, or is a sentence of this
+    # EBNF grammar (xgrammar's dialect, GBNF-like, from `root`) (vLLM's guided_regex, guided_choice and
+    # guided_grammar); at most one kind of structure per request.
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
     # Choices from one prompt. The frontend turns them into n requests of one choice each (sharing the
     # prompt's KV blocks); the scheduler and the executor only ever see n = 1.
     n: int = 1
@@ -155,13 +157,15 @@ class SamplingParams:
         _check_bool("json_object", self.json_object)
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("grammar must be a non-empty string")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("choice must be a list of non-empty strings")
             if not 1 <= len(self.choice) <= MAX_CHOICES:
                 raise ValueError(f"choice takes 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
             self.choice = list(self.choice)
-        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} are exclusive: one structure per request")
@@ -280,17 +284,20 @@ class SamplingParams:
 
     @property
     def structured(self) -> bool:
-        return self.json_object or self.json_schema is not None or self.regex is not None or self.choice is not None
+        return (self.json_object or self.json_schema is not None or self.regex is not None or self.choice is not None
+                or self.grammar is not None)
 
-    def grammar(self) -> tuple[str, str]:
+    def grammar_source(self) -> tuple[str, str]:
         """A structured request's grammar as (kind, source): ("json_schema", schema text), ("json_object", ""),
-        ("regex", pattern) or ("ebnf", the grammar of the choices: one string literal each)."""
+        ("regex", pattern), or ("ebnf", the grammar given, or that of the choices: one string literal each)."""
         if self.json_object:
             return "json_object", ""
         if self.json_schema is not None:
             return "json_schema", self.json_schema
         if self.regex is not None:
             return "regex", self.regex
+        if self.grammar is not None:
+            return "ebnf", self.grammar
         # JSON string literals are xgrammar's EBNF literals (the same escapes).
         return "ebnf", "root ::= " + " | ".join(json.dumps(choice) for choice in self.choice)
 

@@ -420,6 +420,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": PROMPT, "guided_regex": "[a-"}, "guided_regex"),
     ("/v1/completions", {"prompt": PROMPT, "guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_grammar": "root ::= "}, "guided_grammar"),
+    ("/v1/completions", {"prompt": PROMPT, "guided_grammar": 'root ::= "a"', "guided_regex": "a"}, "guided_grammar"),
     ("/v1/completions", {"prompt": PROMPT, "guided_choice": ["a", ""]}, "guided_choice"),
     ("/v1/completions", {"prompt": PROMPT, "guided_json": {"type": 5}}, "guided_json"),
     ("/v1/completions", {"prompt": PROMPT, "guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),

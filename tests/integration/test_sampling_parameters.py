@@ -95,7 +95,8 @@ class HttpApi(Api):
     echoes_text = True
     OPENAI_FIELDS = {"temperature", "top_p", "seed", "n", "stop", "max_tokens", "presence_penalty",
                      "frequency_penalty", "logit_bias"}
-    VLLM_NAMES = {"regex": "guided_regex", "choice": "guided_choice"}  # (the gRPC API's names on the left)
+    # (the gRPC API's names on the left)
+    VLLM_NAMES = {"regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
 
     def __init__(self, client, stack) -> None:
         self.client, self.stack = client, stack
@@ -548,6 +549,19 @@ def check_choice(api, ref):
     assert set(sampled) <= set(odd), sampled
 
 
+# Xgrammar's EBNF dialect: an answer in one shape, sampled or greedy.
+ANSWER_GRAMMAR = 'root ::= "The answer is " digits ". " ("Sure." | "Maybe.")\ndigits ::= [1-9] [0-9]*'
+ANSWER = r"The answer is [1-9][0-9]*\. (Sure|Maybe)\."
+
+
+def check_grammar(api, ref):
+    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 0}):
+        result = api.complete(messages=CAPITAL_CHAT, max_tokens=24, grammar=ANSWER_GRAMMAR, **params)
+        assert re.fullmatch(ANSWER, result.text) and result.finish_reason == "stop", result.text
+    plain = api.complete(messages=CAPITAL_CHAT, temperature=0, max_tokens=24)
+    assert not re.fullmatch(ANSWER, plain.text), "unconstrained, the model answers otherwise"
+
+
 def check_chat_template_options(api, ref):
     # The answer begun by the client, carried on; a conversation rendered without the assistant's turn opened.
     begun = CAPITAL_CHAT + [{"role": "assistant", "content": "The capital of France is"}]
@@ -587,6 +601,7 @@ PARAMETERS = {
     "response_format-json_schema": check_json_schema,
     "guided_regex": check_regex,
     "guided_choice": check_choice,
+    "guided_grammar": check_grammar,
     "add_generation_prompt-continue_final_message": check_chat_template_options,
 }
 

@@ -33,6 +33,7 @@ def test_defaults_are_vllms():
     ("bad_words", ["w"] * 65), ("bad_words", ["w" * 257]), ("bad_words_token_ids", [[]]),
     ("bad_words_token_ids", [[-1]]), ("bad_words_token_ids", [1, 2]),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 1.5),
+    ("grammar", " "), ("grammar", 5),
 ])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}"):
@@ -118,10 +119,14 @@ def test_one_structure_per_request_and_its_grammar():
     with pytest.raises(ValueError, match="^json_schema and json_object are exclusive"):
         SamplingParams(json_schema="{}", json_object=True)
     assert not SamplingParams().structured
-    assert SamplingParams(regex="[0-9]+").grammar() == ("regex", "[0-9]+")
-    assert SamplingParams(json_object=True).grammar() == ("json_object", "")
-    assert SamplingParams(json_schema='{"type": "string"}').grammar() == ("json_schema", '{"type": "string"}')
+    assert SamplingParams(regex="[0-9]+").grammar_source() == ("regex", "[0-9]+")
+    assert SamplingParams(json_object=True).grammar_source() == ("json_object", "")
+    assert SamplingParams(json_schema='{"type": "string"}').grammar_source() == ("json_schema", '{"type": "string"}')
     # Each choice one string literal, its quotes and backslashes escaped.
     choice = SamplingParams(choice=["yes", 'say "no"', "a\\b"])
     assert choice.structured and choice.needs_token_history
-    assert choice.grammar() == ("ebnf", 'root ::= "yes" | "say \\"no\\"" | "a\\\\b"')
+    assert choice.grammar_source() == ("ebnf", 'root ::= "yes" | "say \\"no\\"" | "a\\\\b"')
+    grammar = SamplingParams(grammar='root ::= "a" root | "b"')
+    assert grammar.structured and grammar.grammar_source() == ("ebnf", 'root ::= "a" root | "b"')
+    with pytest.raises(ValueError, match="^regex and grammar are exclusive"):
+        SamplingParams(regex="a+", grammar='root ::= "a"')
