@@ -149,6 +149,37 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(_Body):
+    """vLLM's structured_outputs (its guided_* fields' successor): exactly one kind of structure."""
+    json_schema: dict | str | None = pydantic.Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # Not implemented: refused when set, rather than ignored. (Free whitespace between JSON tokens is always
+    # disabled here, which disable_any_whitespace asks for.)
+    structural_tag: str | dict | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
+    disable_any_whitespace: bool = False
+
+    def apply(self, inp: GenerateInput) -> None:
+        for name in ("structural_tag", "whitespace_pattern"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"structured_outputs.{name} is not supported by this server", "structured_outputs")
+        if self.disable_additional_properties:
+            raise APIError(400, "structured_outputs.disable_additional_properties is not supported by this server",
+                           "structured_outputs")
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, "json_schema" if name == "json" else name) not in (None, False)]
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, grammar and json_object, "
+                                f"got {', '.join(given) or 'none'}", "structured_outputs")
+        if self.json_schema is not None:
+            inp.json_schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
+        inp.regex, inp.choice, inp.grammar, inp.json_object = self.regex, self.choice, self.grammar, bool(self.json_object)
+
+
 class _Sampling(_Body):
     model: str | None = None
     n: int = 1
@@ -186,6 +217,7 @@ class _Sampling(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -426,6 +458,9 @@ class OpenAIServer:
             param = HTTP_PARAM.get(error.field, error.field)
             if error.field == "json_schema" and body is not None and body.guided_json is not None:
                 param = "guided_json"
+            if (error.field in ("json_schema", "regex", "choice", "grammar") and body is not None
+                    and body.structured_outputs is not None):
+                param = "structured_outputs"
             message = str(error)  # named by the API's own field where the back end's differs
             raise APIError(400, message if message.startswith(param) else f"{param}: {message}", param) from None
 
@@ -454,8 +489,8 @@ class OpenAIServer:
             inp.json_schema = json.dumps(body.response_format.json_schema.schema_)
         # vLLM's names for structured output. One kind per request, refused here for a second so that the 400
         # names the HTTP field (SamplingParams would name its own).
-        guided = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                  if getattr(body, name) is not None]
+        guided = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                    "structured_outputs") if getattr(body, name) is not None]
         if body.response_format is not None and body.response_format.type != "text":
             guided.insert(0, "response_format")
         if len(guided) > 1:
@@ -463,6 +498,8 @@ class OpenAIServer:
         if body.guided_json is not None:
             inp.json_schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
         inp.regex, inp.choice, inp.grammar = body.guided_regex, body.guided_choice, body.guided_grammar
+        if body.structured_outputs is not None:
+            body.structured_outputs.apply(inp)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream", "stream_options")
         return inp
