@@ -101,8 +101,11 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status)
 
 
-# The values at which the vLLM parameters this server does not implement ask for nothing (_Sampling).
-NOT_IMPLEMENTED_AT = {"use_beam_search": False}
+# vLLM's parameters this server does not implement (_Sampling), refused by name when they ask for anything (a
+# value other than None, False or empty) rather than ignored as unknown fields are: each would change the
+# answer or its shape.
+NOT_IMPLEMENTED = ("use_beam_search", "logits_processors", "prompt_embeds", "return_tokens_as_token_ids",
+                   "return_token_ids", "chat_template", "documents")
 
 # ------------------------------------------------------------------------------------------ request bodies
 # Strict: a string where a number belongs is refused, not converted. Unknown fields are ignored, as OpenAI's
@@ -210,9 +213,14 @@ class _Sampling(_Body):
     bad_words: list[str] = []  # vLLM's: words that must not be generated
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank, and the top k there
-    # vLLM's parameters that this server does not implement: known, so that a value that would change the
-    # answer is refused (NOT_IMPLEMENTED_AT) rather than ignored as an unknown field is.
+    # vLLM's parameters that this server does not implement (NOT_IMPLEMENTED).
     use_beam_search: bool = False
+    logits_processors: list | None = None
+    prompt_embeds: str | list | None = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    chat_template: str | None = None  # a request's own template (the server's is --chat-template)
+    documents: list | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -271,6 +279,7 @@ class ChatRequest(_Sampling):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     functions: list[dict] | None = None  # OpenAI's older form of tools: refused, not ignored
+    echo: bool = False  # vLLM's: the last message's content before the answer; refused
 
 
 class ResponsesRequest(_Body):
@@ -466,8 +475,8 @@ class OpenAIServer:
 
     def _sampling_input(self, body: _Sampling, request: Request) -> GenerateInput:
         self._check_model(body.model)
-        for name, inert in NOT_IMPLEMENTED_AT.items():
-            if getattr(body, name) not in (inert, []):
+        for name in NOT_IMPLEMENTED:
+            if getattr(body, name) not in (None, False, []):
                 raise APIError(400, f"{name} is not supported by this server", name)
         if body.prompt_logprobs is not None and body.stream:
             raise APIError(400, "prompt_logprobs are not available with stream (as in vLLM)", "prompt_logprobs")
@@ -585,6 +594,8 @@ class OpenAIServer:
         body = parse_body(ChatRequest, await request.body())
         if body.functions:
             raise APIError(400, "functions, OpenAI's older form of tools, are not supported: give tools", "functions")
+        if body.echo:
+            raise APIError(400, "echo is not supported by this server on chat", "echo")
         inp = self._sampling_input(body, request)
         inp.messages = _messages(body.messages)
         tool_calls = self._plan_tools(inp, body.tools, body.tool_choice, body.parallel_tool_calls)

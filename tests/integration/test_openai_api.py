@@ -455,6 +455,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     # vLLM's parameters this server does not implement: refused where they would change the answer.
     ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": PROMPT, "logits_processors": ["x"]}, "logits_processors"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ("/v1/completions", {"prompt": PROMPT, "return_token_ids": True}, "return_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", {"messages": CHAT, "documents": [{"text": "x"}]}, "documents"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": 21}, "prompt_logprobs"),
