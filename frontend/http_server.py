@@ -105,7 +105,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 # value other than None, False or empty) rather than ignored as unknown fields are: each would change the
 # answer or its shape.
 NOT_IMPLEMENTED = ("use_beam_search", "logits_processors", "prompt_embeds", "return_tokens_as_token_ids",
-                   "return_token_ids", "chat_template", "documents")
+                   "chat_template", "documents")
 
 # ------------------------------------------------------------------------------------------ request bodies
 # Strict: a string where a number belongs is refused, not converted. Unknown fields are ignored, as OpenAI's
@@ -213,12 +213,12 @@ class _Sampling(_Body):
     bad_words: list[str] = []  # vLLM's: words that must not be generated
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank, and the top k there
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     # vLLM's parameters that this server does not implement (NOT_IMPLEMENTED).
     use_beam_search: bool = False
     logits_processors: list | None = None
     prompt_embeds: str | list | None = None
     return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None
     chat_template: str | None = None  # a request's own template (the server's is --chat-template)
     documents: list | None = None
     guided_json: dict | str | None = None
@@ -563,6 +563,8 @@ class OpenAIServer:
                 start = part.streamed.get(delta.index, 0)
                 out = self._completion_chunk(delta, part.echo if first else None, echoed, part.first_index, start)
                 part.streamed[delta.index] = start + len(out["text"])
+                if body.return_token_ids:
+                    out.update({"prompt_token_ids": part.prompt_ids} if first else {}, token_ids=delta.token_ids)
                 return out
 
             return self._sse(request, calls, response_id, inp.request_id,
@@ -578,6 +580,8 @@ class OpenAIServer:
                 mine = [d for d in deltas if d.index == index]
                 choice = {"index": part.first_index + index, "text": (part.echo or "") + "".join(d.text for d in mine),
                           "logprobs": None, "finish_reason": mine[-1].finish_reason}
+                if body.return_token_ids:
+                    choice.update(prompt_token_ids=part.prompt_ids, token_ids=[t for d in mine for t in d.token_ids])
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(part.prompt_ids, prompt_logprobs,
                                                                       body.prompt_logprobs)
@@ -625,9 +629,10 @@ class OpenAIServer:
         if body.stream:
             chunk = functools.partial(self._chat_chunk,
                                       tool_calls=None if tool_calls is None else tool_calls.stream(),
-                                      reasoning=None if reasoning is None else ReasoningStream(reasoning))
+                                      reasoning=None if reasoning is None else ReasoningStream(reasoning),
+                                      token_ids=body.return_token_ids)
             return self._sse(request, [call], response_id, inp.request_id, [chunk], "chat.completion.chunk",
-                             body.stream_options)
+                             body.stream_options, {"prompt_token_ids": prompt_ids} if body.return_token_ids else None)
         [deltas] = await self._collect(request, [call])
         choices = []
         for index in range(params.n):
@@ -639,9 +644,11 @@ class OpenAIServer:
                 "logprobs": ({"content": self._chat_logprobs([t for d in mine for t in d.logprobs or []])}
                              if params.logprobs is not None else None),
                 "finish_reason": finish_reason,
-            })
+            } | ({"token_ids": [t for d in mine for t in d.token_ids]} if body.return_token_ids else {}))
         answer = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                   "model": self.model_name, "choices": choices, "usage": _usage(deltas)}
+        if body.return_token_ids:
+            answer["prompt_token_ids"] = prompt_ids
         if body.prompt_logprobs is not None:
             answer["prompt_logprobs"] = self._prompt_logprobs(
                 prompt_ids, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None), body.prompt_logprobs)
@@ -866,8 +873,9 @@ class OpenAIServer:
                 task.cancel()
 
     def _sse(self, request: Request, calls: list[GenerateCall], response_id: str, request_id: str, chunks: list,
-             obj: str, options: StreamOptions | None) -> StreamingResponse:
-        """Streams the calls' deltas as server-sent events, chunks[i](delta, first) making call i's."""
+             obj: str, options: StreamOptions | None, first_fields: dict | None = None) -> StreamingResponse:
+        """Streams the calls' deltas as server-sent events, chunks[i](delta, first) making call i's; the first
+        event also carries first_fields."""
         include_usage = options is not None and options.include_usage
         continuous_usage = include_usage and options.continuous_usage_stats
         # Every event is this head, its choices and (with include_usage) its usage: only those are encoded per
@@ -875,9 +883,9 @@ class OpenAIServer:
         head = json.dumps({"id": response_id, "object": obj, "created": int(time.time()), "model": self.model_name})
         head = f"data: {head[:-1]}, \"choices\": "
 
-        def frame(choices: list[dict], usage: dict | None = None) -> str:
+        def frame(choices: list[dict], usage: dict | None = None, fields: dict | None = None) -> str:
             tail = f", \"usage\": {json.dumps(usage)}}}\n\n" if include_usage else "}\n\n"
-            return head + json.dumps(choices) + tail
+            return head + json.dumps(choices) + (", " + json.dumps(fields)[1:-1] if fields else "") + tail
 
         async def events():
             generated: dict[tuple[int, int], int] = {}  # completion tokens so far, by (call, choice)
@@ -893,7 +901,8 @@ class OpenAIServer:
                         prompt = len(calls[position].prompt_ids)
                         usage = {"prompt_tokens": prompt, "completion_tokens": generated[choice],
                                  "total_tokens": prompt + generated[choice]}
-                    yield frame([chunks[position](delta, first)], usage)
+                    yield frame([chunks[position](delta, first)], usage, first_fields if len(generated) == 1 and first
+                                else None)
             except APIError as error:
                 body = {"error": {"message": str(error), "type": ERROR_TYPE.get(error.status, "error"),
                                   "param": error.param, "code": error.code}}
@@ -920,9 +929,10 @@ class OpenAIServer:
         return [SampledToken(prompt_ids[0])] + (prompt_logprobs or [])
 
     def _chat_chunk(self, delta: ChoiceDelta, first: bool, tool_calls=None,
-                    reasoning: ReasoningStream | None = None) -> dict:
+                    reasoning: ReasoningStream | None = None, token_ids: bool = False) -> dict:
         """tool_calls: the stream of the request's tool-call plan (frontend/tools.py), which shapes the deltas;
-        reasoning: splits the thinking off first (the answer after it goes on to tool_calls)."""
+        reasoning: splits the thinking off first (the answer after it goes on to tool_calls); token_ids: the
+        delta's token ids go with it (return_token_ids)."""
         text, thought = delta.text, ""
         if reasoning is not None:
             thought, text = reasoning.feed(delta.index, text, delta.finish_reason is not None)
@@ -937,7 +947,7 @@ class OpenAIServer:
             message["reasoning"] = thought
         return {"index": delta.index, "delta": message,
                 "logprobs": {"content": self._chat_logprobs(delta.logprobs)} if delta.logprobs else None,
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason} | ({"token_ids": delta.token_ids} if token_ids else {})
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

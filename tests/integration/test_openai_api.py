@@ -50,6 +50,32 @@ def test_models_health_tokenize_and_detokenize(api_stack, openai_client, tokeniz
     assert text["prompt"] == PROMPT
 
 
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids_whole_and_streamed(api_stack, tokenizer):
+    # vLLM's return_token_ids: what RL trainers read back instead of re-tokenizing the text.
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False)
+    for path, inputs, prompt_ids in (("/v1/completions", {"prompt": PROMPT}, tokenizer.encode(PROMPT)),
+                                     ("/v1/chat/completions", {"messages": CHAT}, chat_ids)):
+        body = {"model": MODEL, **inputs, "temperature": 1.0, "seed": 5, "n": 2, "max_tokens": 8, "ignore_eos": True,
+                "return_token_ids": True}
+        whole = httpx.post(f"{api_stack.http_url}{path}", json=body, timeout=60).json()
+        streamed = [json.loads(line[6:]) for line in httpx.post(
+            f"{api_stack.http_url}{path}", json=body | {"stream": True}, timeout=60).text.splitlines()
+            if line.startswith("data: {")]
+        chat = "messages" in inputs
+        assert (whole if chat else whole["choices"][0])["prompt_token_ids"] == prompt_ids
+        assert (streamed[0] if chat else streamed[0]["choices"][0])["prompt_token_ids"] == prompt_ids
+        for choice in whole["choices"]:
+            text = choice["message"]["content"] if chat else choice["text"]
+            assert len(choice["token_ids"]) == 8 and tokenizer.decode(choice["token_ids"]) == text
+            # The same seeded choice, streamed: its chunks' ids add up to the whole answer's.
+            ids = [t for event in streamed for c in event["choices"] if c["index"] == choice["index"]
+                   for t in c["token_ids"]]
+            assert ids == choice["token_ids"]
+    plain = httpx.post(f"{api_stack.http_url}/v1/completions", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
 def test_greedy_completion_and_chat_equal_the_grpc_api(openai_client, grpc_client, tokenizer):
     grpc_text = grpc_client.generate(build_request(PROMPT, temperature=0.0, max_tokens=24))
     completion = openai_client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=24)
@@ -457,7 +483,7 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": PROMPT, "logits_processors": ["x"]}, "logits_processors"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_embeds": "AAAA"}, "prompt_embeds"),
-    ("/v1/completions", {"prompt": PROMPT, "return_token_ids": True}, "return_token_ids"),
+    ("/v1/completions", {"prompt": PROMPT, "return_token_ids": 1}, "return_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {"messages": CHAT, "documents": [{"text": "x"}]}, "documents"),
