@@ -38,7 +38,8 @@ from frontend.tools import ToolError, plan_tool_calls
 from frontend.validation import (MODEL_DEFAULTED, GenerateInput, ValidationError, tokenizing,
                                  validate_and_tokenize_async)
 from pagedserve.output.detokenizer import token_utf8
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.beam_search import BeamSearch
+from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.step import SampledToken
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,10 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 # vLLM's parameters this server does not implement (_Sampling), refused by name when they ask for anything (a
 # value other than None, False or empty) rather than ignored as unknown fields are: each would change the
 # answer or its shape.
-NOT_IMPLEMENTED = ("use_beam_search", "logits_processors", "prompt_embeds", "return_tokens_as_token_ids",
-                   "chat_template", "documents")
+NOT_IMPLEMENTED = ("logits_processors", "prompt_embeds", "return_tokens_as_token_ids", "chat_template", "documents")
+# Beam search (vLLM's use_beam_search) returns whole beams, unconstrained: these ask for what it does not give.
+NOT_WITH_BEAM_SEARCH = ("stream", "logprobs", "echo", "prompt_logprobs", "stop", "response_format", "structured_outputs",
+                        "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 # ------------------------------------------------------------------------------------------ request bodies
 # Strict: a string where a number belongs is refused, not converted. Unknown fields are ignored, as OpenAI's
@@ -214,8 +217,10 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank, and the top k there
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
-    # vLLM's parameters that this server does not implement (NOT_IMPLEMENTED).
+    # vLLM's beam search: n beams, ranked by cumulative logprob over length ** length_penalty.
     use_beam_search: bool = False
+    length_penalty: float = 1.0
+    # vLLM's parameters that this server does not implement (NOT_IMPLEMENTED).
     logits_processors: list | None = None
     prompt_embeds: str | list | None = None
     return_tokens_as_token_ids: bool | None = None
@@ -551,8 +556,17 @@ class OpenAIServer:
             whole = isinstance(one, str) and params.truncate_prompt_tokens is None  # else the ids that remain
             echo = (one if whole else self.tokenizer.decode(prompt_ids)) if body.echo else None
             parts.append(_CompletionPart(prompt_ids, params, echo, i * params.n))
-        calls = [self._call(part.prompt_ids, part.params, inp, prompt_only) for part in parts]
         response_id = f"cmpl-{inp.request_id}"
+        if body.use_beam_search:
+            searches = await asyncio.gather(*(self._beam_search(request, body, inp, part.prompt_ids, part.params)
+                                              for part in parts))
+            choices = [{"index": part.first_index + index, "text": text, "logprobs": None, "finish_reason": finish}
+                       for part, beams in zip(parts, searches) for index, (text, finish, _) in enumerate(beams)]
+            return self._json({"id": response_id, "object": "text_completion", "created": int(time.time()),
+                               "model": self.model_name, "choices": choices,
+                               "usage": _sum_usage([_beam_usage(part.prompt_ids, beams)
+                                                    for part, beams in zip(parts, searches)])}, inp.request_id)
+        calls = [self._call(part.prompt_ids, part.params, inp, prompt_only) for part in parts]
         if body.stream:
             def chunk(part: _CompletionPart, delta: ChoiceDelta, first: bool) -> dict:
                 if delta.prompt_logprobs is not None:
@@ -625,6 +639,15 @@ class OpenAIServer:
                                "tools") from None
             raise
         response_id = f"chatcmpl-{inp.request_id}"
+        if body.use_beam_search:
+            beams = await self._beam_search(request, body, inp, prompt_ids, params)
+            choices = []
+            for index, (text, finish, _) in enumerate(beams):
+                message, finish_reason = _answer(text, finish, tool_calls, reasoning)
+                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason})
+            return self._json({"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                               "model": self.model_name, "choices": choices,
+                               "usage": _beam_usage(prompt_ids, beams)}, inp.request_id)
         call = self._call(prompt_ids, params, inp)
         if body.stream:
             chunk = functools.partial(self._chat_chunk,
@@ -653,6 +676,32 @@ class OpenAIServer:
             answer["prompt_logprobs"] = self._prompt_logprobs(
                 prompt_ids, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None), body.prompt_logprobs)
         return self._json(answer, inp.request_id)
+
+    async def _beam_search(self, request: Request, body: _Sampling, inp: GenerateInput, prompt_ids: list[int],
+                           params: Any) -> list[tuple[str, str, int]]:
+        """vLLM's beam search over the engine (pagedserve/beam_search.py): the n best beams' (text, finish
+        reason, tokens), best first. Each step sends every live beam as a one-token request; their shared prefix comes
+        from the prefix cache."""
+        asked = [name for name in NOT_WITH_BEAM_SEARCH if getattr(body, name, None) not in (None, False, [])]
+        if body.response_format is not None and body.response_format.type == "text":
+            asked = [name for name in asked if name != "response_format"]
+        if asked:
+            raise APIError(400, f"{asked[0]} is not available with use_beam_search", asked[0])
+        if inp.structured:  # what is left: the schema of tool_choice "required" or a named function
+            raise APIError(400, "tool_choice that forces a call is not available with use_beam_search", "tool_choice")
+        if not 1 <= params.n <= MAX_LOGPROBS // 2:
+            raise APIError(400, f"n (the beam width) must be in [1, {MAX_LOGPROBS // 2}] with use_beam_search", "n")
+        search = BeamSearch(len(prompt_ids), params.n, params.max_tokens or self.max_model_len - len(prompt_ids),
+                            self.tokenizer.eos_token_id, body.length_penalty, params.ignore_eos)
+        step = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
+                              logprobs=search.num_candidates)
+        while not search.done:
+            results = await self._collect(request, [self._call(prompt_ids + beam.tokens, step, inp)
+                                                    for beam in search.live])
+            tokens = [next(t for d in deltas for t in d.logprobs or []) for deltas in results]
+            search.advance([[(t.token_id, t.logprob), *zip(t.top_token_ids, t.top_logprobs)] for t in tokens])
+        return [(self.tokenizer.decode(beam.tokens, skip_special_tokens=params.skip_special_tokens),
+                 "stop" if beam.finished else "length", len(beam.tokens)) for beam in search.best()]
 
     def _reasoning_parser(self, inp: GenerateInput) -> str | None:
         """The parser that splits the thinking from the answer, where the output is free: structured output
@@ -1041,6 +1090,12 @@ class _CompletionPart:
 
 def _sum_usage(usages: list[dict]) -> dict:
     return {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+def _beam_usage(prompt_ids: list[int], beams: list[tuple[str, str, int]]) -> dict:
+    completion = sum(num_tokens for _, _, num_tokens in beams)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}
 
 
 def _usage(deltas: list[ChoiceDelta]) -> dict:

@@ -76,6 +76,61 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids_whole_and_strea
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
 
 
+def reference_beam_search(model, eos: int, prompt: list[int], width: int, max_tokens: int,
+                          length_penalty: float) -> list[tuple[tuple[int, ...], float]]:
+    """vLLM's beam search on transformers' logits: every live beam extended by its 2 x width likeliest tokens, EOS
+    completing one, the best width of the rest living on; ranked by cumulative logprob / length ** penalty."""
+    import torch
+
+    live, complete = [((), 0.0)], []
+    for _ in range(max_tokens):
+        extended = []
+        for tokens, logprob in live:
+            with torch.no_grad():
+                row = model(torch.tensor([prompt + list(tokens)])).logits[0, -1].float().log_softmax(-1)
+            top = row.topk(2 * width)
+            for token, value in zip(top.indices.tolist(), top.values.tolist()):
+                (complete if token == eos else extended).append((tokens + (token,), logprob + value))
+        live = sorted(extended, key=lambda beam: beam[1], reverse=True)[:width]
+        if not live:
+            break
+
+    def score(beam):
+        return beam[1] / (len(prompt) + len(beam[0]) - (beam[0][-1] == eos)) ** length_penalty
+    return [(tokens, score((tokens, logprob))) for tokens, logprob in
+            sorted(complete + live, key=score, reverse=True)[:width]]
+
+
+def beam_score(model, eos: int, prompt: list[int], tokens: list[int], length_penalty: float) -> float:
+    import torch
+
+    with torch.no_grad():
+        rows = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    logprob = rows.gather(1, torch.tensor(tokens).unsqueeze(1)).sum().item()
+    return logprob / (len(prompt) + len(tokens) - (tokens[-1] == eos)) ** length_penalty
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0])
+def test_beam_search_finds_the_beams_the_reference_finds(api_stack, hf_model, tokenizer, length_penalty):
+    # Scores, not token ids, are compared: a near tie may order two beams apart in another float32 implementation.
+    eos, width = tokenizer.eos_token_id, 3
+    for path, inputs, prompt in (("/v1/completions", {"prompt": PROMPT}, tokenizer.encode(PROMPT)),
+                                 ("/v1/chat/completions", {"messages": CHAT}, tokenizer.encode(
+                                     tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+                                     add_special_tokens=False))):
+        answer = httpx.post(f"{api_stack.http_url}{path}", timeout=120, json={
+            "model": MODEL, **inputs, "n": width, "max_tokens": 6, "use_beam_search": True,
+            "length_penalty": length_penalty, "skip_special_tokens": False}).json()
+        texts = [c["message"]["content"] if "messages" in inputs else c["text"] for c in answer["choices"]]
+        beams = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        expected = reference_beam_search(hf_model, eos, prompt, width, 6, length_penalty)
+        assert [beam_score(hf_model, eos, prompt, b, length_penalty) for b in beams] == \
+            pytest.approx([s for _, s in expected], abs=1e-4)
+        assert [c["finish_reason"] for c in answer["choices"]] == \
+            ["stop" if tokens[-1] == eos else "length" for tokens, _ in expected]
+        assert answer["usage"]["completion_tokens"] == sum(len(tokens) for tokens, _ in expected)
+
+
 def test_greedy_completion_and_chat_equal_the_grpc_api(openai_client, grpc_client, tokenizer):
     grpc_text = grpc_client.generate(build_request(PROMPT, temperature=0.0, max_tokens=24))
     completion = openai_client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=24)
@@ -480,7 +535,14 @@ BAD = [
                               "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     # vLLM's parameters this server does not implement: refused where they would change the answer.
-    ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True}, "use_beam_search"),
+    ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "use_beam_search": True, "n": 11}, "n"),
+    ("/v1/chat/completions", {"messages": CHAT, "use_beam_search": True, "guided_regex": "a"}, "guided_regex"),
+    ("/v1/chat/completions", {"messages": CHAT, "use_beam_search": True, "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "use_beam_search": True, "response_format": {"type": "json_object"}},
+     "response_format"),
     ("/v1/completions", {"prompt": PROMPT, "logits_processors": ["x"]}, "logits_processors"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("/v1/completions", {"prompt": PROMPT, "return_token_ids": 1}, "return_token_ids"),

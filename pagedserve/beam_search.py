@@ -1,0 +1,61 @@
+"""Beam search as vLLM runs it: over the engine, one token at a time, each live beam a one-token request whose
+logprobs give its candidates (prefix caching keeps the shared prefix from being recomputed).
+
+Each step every live beam is extended by each of its candidates (the model's 2 x width most likely next tokens,
+and the one it sampled); a candidate ending in EOS (unless ignore_eos) is complete, and the best `width` of the
+rest live on. After max_tokens steps, or when no beam lives, the complete and live beams are ranked by their
+cumulative logprob over their length (prompt included, a final EOS not) to the power length_penalty.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Beam:
+    tokens: list[int]  # generated so far
+    cumulative_logprob: float = 0.0
+    finished: bool = False  # ended by EOS
+
+
+@dataclass
+class BeamSearch:
+    prompt_len: int
+    width: int
+    max_tokens: int
+    eos_token_id: int | None
+    length_penalty: float = 1.0
+    ignore_eos: bool = False
+    live: list[Beam] = field(default_factory=lambda: [Beam([])])
+    complete: list[Beam] = field(default_factory=list)
+    steps: int = 0
+
+    @property
+    def num_candidates(self) -> int:
+        """The top logprobs each expansion asks for."""
+        return 2 * self.width
+
+    @property
+    def done(self) -> bool:
+        return not self.live or self.steps >= self.max_tokens
+
+    def advance(self, candidates: list[list[tuple[int, float]]]) -> None:
+        """candidates[i]: (token id, logprob) of the next tokens of self.live[i]."""
+        extended = []
+        for beam, options in zip(self.live, candidates, strict=True):
+            for token_id, logprob in dict(options).items():
+                child = Beam(beam.tokens + [token_id], beam.cumulative_logprob + logprob)
+                if token_id == self.eos_token_id and not self.ignore_eos:
+                    child.finished = True
+                    self.complete.append(child)
+                else:
+                    extended.append(child)
+        self.live = sorted(extended, key=self.score, reverse=True)[:self.width]
+        self.steps += 1
+
+    def best(self) -> list[Beam]:
+        return sorted(self.complete + self.live, key=self.score, reverse=True)[:self.width]
+
+    def score(self, beam: Beam) -> float:
+        length = self.prompt_len + len(beam.tokens) - (1 if beam.finished else 0)
+        return beam.cumulative_logprob / (length ** self.length_penalty)
