@@ -105,7 +105,7 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 # vLLM's parameters this server does not implement (_Sampling), refused by name when they ask for anything (a
 # value other than None, False or empty) rather than ignored as unknown fields are: each would change the
 # answer or its shape.
-NOT_IMPLEMENTED = ("logits_processors", "prompt_embeds", "return_tokens_as_token_ids", "chat_template", "documents")
+NOT_IMPLEMENTED = ("logits_processors", "prompt_embeds", "chat_template", "documents")
 # Beam search (vLLM's use_beam_search) returns whole beams, unconstrained: these ask for what it does not give.
 NOT_WITH_BEAM_SEARCH = ("stream", "logprobs", "echo", "prompt_logprobs", "stop", "response_format", "structured_outputs",
                         "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -217,13 +217,13 @@ class _Sampling(_Body):
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last k tokens
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and rank, and the top k there
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name their tokens "token_id:{id}", not by text
     # vLLM's beam search: n beams, ranked by cumulative logprob over length ** length_penalty.
     use_beam_search: bool = False
     length_penalty: float = 1.0
     # vLLM's parameters that this server does not implement (NOT_IMPLEMENTED).
     logits_processors: list | None = None
     prompt_embeds: str | list | None = None
-    return_tokens_as_token_ids: bool | None = None
     chat_template: str | None = None  # a request's own template (the server's is --chat-template)
     documents: list | None = None
     guided_json: dict | str | None = None
@@ -575,7 +575,8 @@ class OpenAIServer:
                 if first and part.echo is not None and body.logprobs is not None:
                     echoed = self._echoed_tokens(part.prompt_ids, part.prompt_logprobs)
                 start = part.streamed.get(delta.index, 0)
-                out = self._completion_chunk(delta, part.echo if first else None, echoed, part.first_index, start)
+                out = self._completion_chunk(delta, part.echo if first else None, echoed, part.first_index, start,
+                                             body.return_tokens_as_token_ids)
                 part.streamed[delta.index] = start + len(out["text"])
                 if body.return_token_ids:
                     out.update({"prompt_token_ids": part.prompt_ids} if first else {}, token_ids=delta.token_ids)
@@ -598,10 +599,11 @@ class OpenAIServer:
                     choice.update(prompt_token_ids=part.prompt_ids, token_ids=[t for d in mine for t in d.token_ids])
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(part.prompt_ids, prompt_logprobs,
-                                                                      body.prompt_logprobs)
+                                                                      body.prompt_logprobs, body.return_tokens_as_token_ids)
                 if part.params.logprobs is not None:
                     choice["logprobs"] = self._completion_logprobs(
-                        (echoed or []) + [t for d in mine for t in d.logprobs or []])
+                        (echoed or []) + [t for d in mine for t in d.logprobs or []],
+                        as_ids=body.return_tokens_as_token_ids)
                 choices.append(choice)
             usages.append(_usage(deltas))
         return self._json({"id": response_id, "object": "text_completion", "created": int(time.time()),
@@ -653,7 +655,7 @@ class OpenAIServer:
             chunk = functools.partial(self._chat_chunk,
                                       tool_calls=None if tool_calls is None else tool_calls.stream(),
                                       reasoning=None if reasoning is None else ReasoningStream(reasoning),
-                                      token_ids=body.return_token_ids)
+                                      token_ids=body.return_token_ids, as_ids=body.return_tokens_as_token_ids)
             return self._sse(request, [call], response_id, inp.request_id, [chunk], "chat.completion.chunk",
                              body.stream_options, {"prompt_token_ids": prompt_ids} if body.return_token_ids else None)
         [deltas] = await self._collect(request, [call])
@@ -664,7 +666,8 @@ class OpenAIServer:
                                              reasoning)
             choices.append({
                 "index": index, "message": message,
-                "logprobs": ({"content": self._chat_logprobs([t for d in mine for t in d.logprobs or []])}
+                "logprobs": ({"content": self._chat_logprobs([t for d in mine for t in d.logprobs or []],
+                                                             body.return_tokens_as_token_ids)}
                              if params.logprobs is not None else None),
                 "finish_reason": finish_reason,
             } | ({"token_ids": [t for d in mine for t in d.token_ids]} if body.return_token_ids else {}))
@@ -674,7 +677,8 @@ class OpenAIServer:
             answer["prompt_token_ids"] = prompt_ids
         if body.prompt_logprobs is not None:
             answer["prompt_logprobs"] = self._prompt_logprobs(
-                prompt_ids, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None), body.prompt_logprobs)
+                prompt_ids, next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), None), body.prompt_logprobs,
+                body.return_tokens_as_token_ids)
         return self._json(answer, inp.request_id)
 
     async def _beam_search(self, request: Request, body: _Sampling, inp: GenerateInput, prompt_ids: list[int],
@@ -964,10 +968,10 @@ class OpenAIServer:
         return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 
     def _completion_chunk(self, delta: ChoiceDelta, echo: str | None, echoed: list[SampledToken] | None,
-                          first_index: int, text_offset: int) -> dict:
+                          first_index: int, text_offset: int, as_ids: bool = False) -> dict:
         tokens = (echoed or []) + (delta.logprobs or [])
         return {"index": first_index + delta.index, "text": (echo or "") + delta.text,
-                "logprobs": self._completion_logprobs(tokens, text_offset) if tokens else None,
+                "logprobs": self._completion_logprobs(tokens, text_offset, as_ids) if tokens else None,
                 "finish_reason": delta.finish_reason}
 
     @staticmethod
@@ -978,10 +982,10 @@ class OpenAIServer:
         return [SampledToken(prompt_ids[0])] + (prompt_logprobs or [])
 
     def _chat_chunk(self, delta: ChoiceDelta, first: bool, tool_calls=None,
-                    reasoning: ReasoningStream | None = None, token_ids: bool = False) -> dict:
+                    reasoning: ReasoningStream | None = None, token_ids: bool = False, as_ids: bool = False) -> dict:
         """tool_calls: the stream of the request's tool-call plan (frontend/tools.py), which shapes the deltas;
         reasoning: splits the thinking off first (the answer after it goes on to tool_calls); token_ids: the
-        delta's token ids go with it (return_token_ids)."""
+        delta's token ids go with it (return_token_ids); as_ids: logprobs name tokens by id."""
         text, thought = delta.text, ""
         if reasoning is not None:
             thought, text = reasoning.feed(delta.index, text, delta.finish_reason is not None)
@@ -995,15 +999,16 @@ class OpenAIServer:
         if thought:
             message["reasoning"] = thought
         return {"index": delta.index, "delta": message,
-                "logprobs": {"content": self._chat_logprobs(delta.logprobs)} if delta.logprobs else None,
+                "logprobs": {"content": self._chat_logprobs(delta.logprobs, as_ids)} if delta.logprobs else None,
                 "finish_reason": finish_reason} | ({"token_ids": delta.token_ids} if token_ids else {})
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _token_text(self, token_id: int, as_id: bool = False) -> str:
+        """A logprob's token as its text, or with as_id (return_tokens_as_token_ids) as vLLM names it by id."""
+        return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id])
 
-    def _completion_logprobs(self, tokens, text_offset: int = 0) -> dict:
+    def _completion_logprobs(self, tokens, text_offset: int = 0, as_ids: bool = False) -> dict:
         """OpenAI's logprobs of a completion, text_offset (where the choice's text so far ends) its first offset."""
-        texts = [self._token_text(t.token_id) for t in tokens]
+        texts = [self._token_text(t.token_id, as_ids) for t in tokens]
         offsets, at = [], text_offset
         for text in texts:
             offsets.append(at)
@@ -1012,15 +1017,16 @@ class OpenAIServer:
             "tokens": texts, "token_logprobs": [t.logprob for t in tokens], "text_offset": offsets,
             # None for an echoed prompt's first token, which has no logprob.
             "top_logprobs": [None if t.logprob is None else
-                             {self._token_text(i): lp for i, lp in zip(t.top_token_ids, t.top_logprobs)}
+                             {self._token_text(i, as_ids): lp for i, lp in zip(t.top_token_ids, t.top_logprobs)}
                              for t in tokens],
         }
 
-    def _prompt_logprobs(self, prompt_ids: list[int], tokens: list[SampledToken] | None, num: int) -> list:
+    def _prompt_logprobs(self, prompt_ids: list[int], tokens: list[SampledToken] | None, num: int,
+                         as_ids: bool = False) -> list:
         """vLLM's prompt_logprobs: None for the first token, then per position {token id: {logprob, rank,
         decoded_token}} of the prompt's token there and the num most likely."""
         def entry(logprob: float, rank: int | None, token_id: int) -> dict:
-            return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}
+            return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id, as_ids)}
 
         out: list = [None]
         for t in self._echoed_tokens(prompt_ids, tokens)[1:]:
@@ -1029,10 +1035,11 @@ class OpenAIServer:
             out.append({str(t.token_id): entry(t.logprob, t.rank, t.token_id), **ranked})
         return out
 
-    def _chat_logprobs(self, tokens) -> list[dict]:
+    def _chat_logprobs(self, tokens, as_ids: bool = False) -> list[dict]:
         def entry(token_id: int, logprob: float) -> dict:
-            text = self._token_text(token_id)
-            data = token_utf8(self.tokenizer, token_id)  # a part of a character: its own bytes, not U+FFFD's
+            text = self._token_text(token_id, as_ids)
+            # A part of a character: its own bytes, not U+FFFD's.
+            data = None if as_ids else token_utf8(self.tokenizer, token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode() if data is None else data)}
 
         return [{**entry(t.token_id, t.logprob),

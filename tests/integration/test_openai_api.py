@@ -76,6 +76,29 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids_whole_and_strea
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
 
 
+def test_return_tokens_as_token_ids_names_each_logprobs_token_by_its_id(api_stack):
+    # vLLM's: for tokens that do not decode alone (a part of a character), and for clients that count ids.
+    def ids(names) -> list[int]:
+        names = list(names)
+        assert all(name.startswith("token_id:") for name in names), names
+        return [int(name.removeprefix("token_id:")) for name in names]
+
+    base = {"model": MODEL, "temperature": 0, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True,
+            "return_tokens_as_token_ids": True}
+    completion = httpx.post(f"{api_stack.http_url}/v1/completions", timeout=60,
+                            json=base | {"prompt": PROMPT, "logprobs": 2, "prompt_logprobs": 1}).json()["choices"][0]
+    assert ids(completion["logprobs"]["tokens"]) == completion["token_ids"]
+    assert all(len(ids(top)) == 2 for top in completion["logprobs"]["top_logprobs"])
+    assert all(ids(e["decoded_token"] for e in entry.values()) == [int(i) for i in entry]
+               for entry in completion["prompt_logprobs"][1:])
+    chat = httpx.post(f"{api_stack.http_url}/v1/chat/completions", timeout=60,
+                      json=base | {"messages": CHAT, "logprobs": True, "top_logprobs": 1, "stream": True}).text
+    events = [json.loads(line[6:]) for line in chat.splitlines() if line.startswith("data: {")]
+    streamed = [entry for e in events for c in e["choices"] for entry in (c["logprobs"] or {}).get("content", [])]
+    assert ids(entry["token"] for entry in streamed) == [t for e in events for c in e["choices"] for t in c["token_ids"]]
+    assert all(entry["bytes"] == list(entry["token"].encode()) for entry in streamed)
+
+
 def reference_beam_search(model, eos: int, prompt: list[int], width: int, max_tokens: int,
                           length_penalty: float) -> list[tuple[tuple[int, ...], float]]:
     """vLLM's beam search on transformers' logits: every live beam extended by its 2 x width likeliest tokens, EOS
@@ -546,7 +569,7 @@ BAD = [
     ("/v1/completions", {"prompt": PROMPT, "logits_processors": ["x"]}, "logits_processors"),
     ("/v1/completions", {"prompt": PROMPT, "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("/v1/completions", {"prompt": PROMPT, "return_token_ids": 1}, "return_token_ids"),
-    ("/v1/chat/completions", {"messages": CHAT, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {"messages": CHAT, "documents": [{"text": "x"}]}, "documents"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, "echo"),
