@@ -107,8 +107,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 # answer or its shape.
 NOT_IMPLEMENTED = ("logits_processors", "prompt_embeds", "chat_template", "documents")
 # Beam search (vLLM's use_beam_search) returns whole beams, unconstrained: these ask for what it does not give.
-NOT_WITH_BEAM_SEARCH = ("stream", "logprobs", "echo", "prompt_logprobs", "stop", "response_format", "structured_outputs",
-                        "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+NOT_WITH_BEAM_SEARCH = ("stream", "logprobs", "echo", "prompt_logprobs", "stop", "response_format",
+                        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 # ------------------------------------------------------------------------------------------ request bodies
 # Strict: a string where a number belongs is refused, not converted. Unknown fields are ignored, as OpenAI's
@@ -183,7 +183,8 @@ class StructuredOutputs(_Body):
                                 f"got {', '.join(given) or 'none'}", "structured_outputs")
         if self.json_schema is not None:
             inp.json_schema = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)
-        inp.regex, inp.choice, inp.grammar, inp.json_object = self.regex, self.choice, self.grammar, bool(self.json_object)
+        inp.regex, inp.choice, inp.grammar = self.regex, self.choice, self.grammar
+        inp.json_object = bool(self.json_object)
 
 
 class _Sampling(_Body):
@@ -342,8 +343,8 @@ def _top(tokens: list[SampledToken] | None, num: int) -> list[SampledToken] | No
     """The tokens with their top logprobs cut to num (the engine computed as many as the largest use asked)."""
     if tokens is None:
         return None
-    return [dataclasses.replace(t, top_token_ids=(t.top_token_ids or [])[:num], top_logprobs=(t.top_logprobs or [])[:num])
-            for t in tokens]
+    return [dataclasses.replace(t, top_token_ids=(t.top_token_ids or [])[:num],
+                                top_logprobs=(t.top_logprobs or [])[:num]) for t in tokens]
 
 
 # ------------------------------------------------------------------------------------------ the API
@@ -598,8 +599,8 @@ class OpenAIServer:
                 if body.return_token_ids:
                     choice.update(prompt_token_ids=part.prompt_ids, token_ids=[t for d in mine for t in d.token_ids])
                 if body.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = self._prompt_logprobs(part.prompt_ids, prompt_logprobs,
-                                                                      body.prompt_logprobs, body.return_tokens_as_token_ids)
+                    choice["prompt_logprobs"] = self._prompt_logprobs(
+                        part.prompt_ids, prompt_logprobs, body.prompt_logprobs, body.return_tokens_as_token_ids)
                 if part.params.logprobs is not None:
                     choice["logprobs"] = self._completion_logprobs(
                         (echoed or []) + [t for d in mine for t in d.logprobs or []],
@@ -684,8 +685,8 @@ class OpenAIServer:
     async def _beam_search(self, request: Request, body: _Sampling, inp: GenerateInput, prompt_ids: list[int],
                            params: Any) -> list[tuple[str, str, int]]:
         """vLLM's beam search over the engine (pagedserve/beam_search.py): the n best beams' (text, finish
-        reason, tokens), best first. Each step sends every live beam as a one-token request; their shared prefix comes
-        from the prefix cache."""
+        reason, tokens), best first. Each step sends every live beam as a one-token request; their shared prefix
+        comes from the prefix cache."""
         asked = [name for name in NOT_WITH_BEAM_SEARCH if getattr(body, name, None) not in (None, False, [])]
         if body.response_format is not None and body.response_format.type == "text":
             asked = [name for name in asked if name != "response_format"]

@@ -191,9 +191,10 @@ def _check_prompt_size(inp: GenerateInput, max_prompt_chars: int | None, max_mod
         if isinstance(inp.prompt, str):
             raise ValidationError("prompt", f"prompt is {chars} characters, at most {max_prompt_chars} are accepted")
         raise ValidationError("messages", f"messages hold {chars} characters, at most {max_prompt_chars} are accepted")
-    if max_model_len is not None and isinstance(inp.prompt_token_ids, list) and len(inp.prompt_token_ids) >= max_model_len:
+    ids = inp.prompt_token_ids
+    if max_model_len is not None and isinstance(ids, list) and len(ids) >= max_model_len:
         raise ValidationError(
-            "prompt", f"prompt is {len(inp.prompt_token_ids)} tokens, the context holds {max_model_len} "
+            "prompt", f"prompt is {len(ids)} tokens, the context holds {max_model_len} "
             "and generation needs at least one more")
 
 

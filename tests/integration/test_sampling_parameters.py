@@ -530,12 +530,17 @@ PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 CAPITAL_CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def check_regex(api, ref):
+def check_matches(api, messages: list[dict], pattern: str, max_tokens: int, **structure) -> None:
+    """Greedy and sampled, the structured output matches the pattern whole and stops; unconstrained, it does not."""
     for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 0}):
-        result = api.complete(messages=JSON_CHAT, max_tokens=32, regex=PHONE, **params)
-        assert re.fullmatch(PHONE, result.text) and result.finish_reason == "stop", result.text
-    plain = api.complete(messages=JSON_CHAT, temperature=0, max_tokens=32)
-    assert not re.fullmatch(PHONE, plain.text), "unconstrained, the model answers otherwise"
+        result = api.complete(messages=messages, max_tokens=max_tokens, **structure, **params)
+        assert re.fullmatch(pattern, result.text) and result.finish_reason == "stop", result.text
+    plain = api.complete(messages=messages, temperature=0, max_tokens=max_tokens)
+    assert not re.fullmatch(pattern, plain.text), "unconstrained, the model answers otherwise"
+
+
+def check_regex(api, ref):
+    check_matches(api, JSON_CHAT, PHONE, 32, regex=PHONE)
 
 
 def check_choice(api, ref):
@@ -555,11 +560,7 @@ ANSWER = r"The answer is [1-9][0-9]*\. (Sure|Maybe)\."
 
 
 def check_grammar(api, ref):
-    for params in ({"temperature": 0}, {"temperature": 1.0, "seed": 0}):
-        result = api.complete(messages=CAPITAL_CHAT, max_tokens=24, grammar=ANSWER_GRAMMAR, **params)
-        assert re.fullmatch(ANSWER, result.text) and result.finish_reason == "stop", result.text
-    plain = api.complete(messages=CAPITAL_CHAT, temperature=0, max_tokens=24)
-    assert not re.fullmatch(ANSWER, plain.text), "unconstrained, the model answers otherwise"
+    check_matches(api, CAPITAL_CHAT, ANSWER, 24, grammar=ANSWER_GRAMMAR)
 
 
 def check_chat_template_options(api, ref):
