@@ -38,8 +38,8 @@ from frontend.tools import ToolError, plan_tool_calls
 from frontend.validation import (MODEL_DEFAULTED, GenerateInput, ValidationError, tokenizing,
                                  validate_and_tokenize_async)
 from pagedserve.output.detokenizer import token_utf8
-from pagedserve.beam_search import BeamSearch
-from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedserve.beam_search import MAX_BEAM_WIDTH, BeamSearch
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.step import SampledToken
 
 logger = logging.getLogger(__name__)
@@ -694,8 +694,8 @@ class OpenAIServer:
             raise APIError(400, f"{asked[0]} is not available with use_beam_search", asked[0])
         if inp.structured:  # what is left: the schema of tool_choice "required" or a named function
             raise APIError(400, "tool_choice that forces a call is not available with use_beam_search", "tool_choice")
-        if not 1 <= params.n <= MAX_LOGPROBS // 2:
-            raise APIError(400, f"n (the beam width) must be in [1, {MAX_LOGPROBS // 2}] with use_beam_search", "n")
+        if not 1 <= params.n <= MAX_BEAM_WIDTH:
+            raise APIError(400, f"n (the beam width) must be in [1, {MAX_BEAM_WIDTH}] with use_beam_search", "n")
         search = BeamSearch(len(prompt_ids), params.n, params.max_tokens or self.max_model_len - len(prompt_ids),
                             self.tokenizer.eos_token_id, body.length_penalty, params.ignore_eos)
         step = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,

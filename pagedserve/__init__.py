@@ -1,9 +1,10 @@
 """pagedserve: an LLM inference server with paged KV cache and continuous batching, as gRPC services."""
 from __future__ import annotations
 
+from pagedserve.beam_search import BeamSearchParams
 from pagedserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "GenerationResult"]
+__all__ = ["LLM", "SamplingParams", "GenerationResult", "BeamSearchParams"]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Each beam's candidates are the top 2 x width logprobs of one token, which the API bounds at 20.
+MAX_BEAM_WIDTH = 10
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's, for LLM.beam_search."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam, as vLLM's LLM.beam_search gives it: tokens are the prompt's and the beam's, text the beam's
+    (without a final EOS)."""
+    tokens: list[int]
+    text: str
+    cum_logprob: float
+    finish_reason: str  # "stop": EOS ended it; "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first
+
 
 @dataclass
 class Beam:

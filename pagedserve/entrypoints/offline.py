@@ -22,6 +22,7 @@ import torch
 from executor_svc.build import build_model_runner
 from executor_svc.server import executor_info
 from kvcache_svc.build import build_block_manager
+from pagedserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedserve.chat import load_chat_template, render_chat
 from pagedserve.config import CacheConfig, ModelConfig, PagedServeConfig, SchedulerConfig
 from pagedserve.output import RequestOutputState, Usage
@@ -207,6 +208,31 @@ class LLM:
                                             continue_final_message, chat_template_kwargs, tools),
                                 add_special_tokens=False) for messages in conversations]
         return self.generate(prompts, sampling_params)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (pagedserve/beam_search.py): each step, every live beam of every prompt is one
+        generate() row of one token whose top 2 x beam_width logprobs are its candidates; their shared prefixes come
+        from the prefix cache. A text prompt is tokenized as generate() tokenizes it."""
+        prompt_list = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
+        prompt_ids = [self._tokenize(prompt) for prompt in prompt_list]
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        searches = [BeamSearch(len(ids), params.beam_width, params.max_tokens, eos, params.length_penalty,
+                               params.ignore_eos) for ids in prompt_ids]
+        step = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
+                              logprobs=2 * params.beam_width)
+        while running := [(search, ids) for search, ids in zip(searches, prompt_ids) if not search.done]:
+            rows = [ids + beam.tokens for search, ids in running for beam in search.live]
+            tokens = iter(result.logprobs[0] for result in self.generate(rows, step))
+            for search, _ in running:
+                chosen = [next(tokens) for _ in search.live]
+                search.advance([[(t.token_id, t.logprob), *zip(t.top_token_ids, t.top_logprobs)] for t in chosen])
+        return [BeamSearchOutput([BeamSearchSequence(
+            ids + beam.tokens, self._decode(beam.tokens[:-1] if beam.finished else beam.tokens),
+            beam.cumulative_logprob, "stop" if beam.finished else "length") for beam in search.best()])
+            for search, ids in zip(searches, prompt_ids)]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

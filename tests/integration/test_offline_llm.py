@@ -9,8 +9,9 @@ import jsonschema
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, BeamSearchParams, SamplingParams
 from scheduler_svc.request import Request
+from tests.support.beam_reference import beam_score, reference_beam_search
 
 CHAT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -173,6 +174,26 @@ def hf_smollm2(smollm2):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2.runner.model_dir, dtype=torch.float32).eval()
+
+
+def test_beam_search_finds_the_beams_the_reference_finds(smollm2, hf_smollm2):
+    prompts = ["The capital of France is", [1, 504, 3575, 282]]
+    outputs = smollm2.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+    eos = smollm2.tokenizer.eos_token_id
+    for prompt, output in zip(prompts, outputs):
+        ids = smollm2.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        expected = reference_beam_search(hf_smollm2, eos, ids, 3, 6, 0.5)
+        generated = [s.tokens[len(ids):] for s in output.sequences]
+        assert all(s.tokens[:len(ids)] == ids for s in output.sequences)
+        # Scores, not tokens: a near tie may order two beams apart in another float32 implementation.
+        assert [beam_score(hf_smollm2, eos, ids, g, 0.5) for g in generated] == \
+            pytest.approx([score for _, score in expected], abs=1e-4)
+        for sequence, tokens in zip(output.sequences, generated):
+            assert sequence.finish_reason == ("stop" if tokens[-1] == eos else "length")
+            assert sequence.text == smollm2.tokenizer.decode(tokens[:-1] if tokens[-1] == eos else tokens)
+            assert sequence.cum_logprob == pytest.approx(beam_score(hf_smollm2, eos, ids, tokens, 0.0), abs=1e-3)
+    with pytest.raises(ValueError, match="^beam_width must be in"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
 
 
 def test_prompt_logprobs_equal_transformers_log_softmax_across_prefill_chunks(smollm2, smollm2_chunked, hf_smollm2):
