@@ -19,6 +19,8 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_PENALTY = 2.0
 # A choice request's strings become one grammar, compiled per request.
 MAX_CHOICES = 256
+# As many token ids as the largest vocabularies hold (Gemma 3's): a request cannot make the sampler build more.
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # Every bad word's token sequences are matched against the output's tail at every step.
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
@@ -195,6 +197,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} token ids, "
+                                 f"got {len(self.allowed_token_ids)}")
             for token_id in self.allowed_token_ids:
                 _check_int("allowed_token_ids", token_id)
                 if token_id < 0:

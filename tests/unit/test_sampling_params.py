@@ -29,7 +29,7 @@ def test_defaults_are_vllms():
     ("logit_bias", {"\u00b2": 1.0}), ("logit_bias", {"\u0661\u0662": 1.0}),  # digits, not ASCII ones
     ("regex", ""), ("regex", 5), ("choice", []), ("choice", ["a", ""]), ("choice", "ab"), ("choice", ["a"] * 257),
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", ["a"]), ("allowed_token_ids", 5),
-    ("allowed_token_ids", [1 << 31]), ("bad_words", "word"), ("bad_words", [" "]), ("bad_words", [3]),
+    ("allowed_token_ids", [1 << 31]), ("allowed_token_ids", [1] * ((1 << 18) + 1)), ("bad_words", "word"), ("bad_words", [" "]), ("bad_words", [3]),
     ("bad_words", ["w"] * 65), ("bad_words", ["w" * 257]), ("bad_words_token_ids", [[]]),
     ("bad_words_token_ids", [[-1]]), ("bad_words_token_ids", [1, 2]),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 1.5),
