@@ -698,13 +698,11 @@ class OpenAIServer:
             raise APIError(400, f"n (the beam width) must be in [1, {MAX_BEAM_WIDTH}] with use_beam_search", "n")
         search = BeamSearch(len(prompt_ids), params.n, params.max_tokens or self.max_model_len - len(prompt_ids),
                             self.tokenizer.eos_token_id, body.length_penalty, params.ignore_eos)
-        step = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
-                              logprobs=search.num_candidates)
+        step = search.step_params(params.temperature)
         while not search.done:
             results = await self._collect(request, [self._call(prompt_ids + beam.tokens, step, inp)
                                                     for beam in search.live])
-            tokens = [next(t for d in deltas for t in d.logprobs or []) for deltas in results]
-            search.advance([[(t.token_id, t.logprob), *zip(t.top_token_ids, t.top_logprobs)] for t in tokens])
+            search.advance_sampled([next(t for d in deltas for t in d.logprobs or []) for deltas in results])
         return [(self.tokenizer.decode(beam.tokens, skip_special_tokens=params.skip_special_tokens),
                  "stop" if beam.finished else "length", len(beam.tokens)) for beam in search.best()]
 

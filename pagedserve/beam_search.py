@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.step import SampledToken
+
 # Each beam's candidates are the top 2 x width logprobs of one token, which the API bounds at 20.
 MAX_BEAM_WIDTH = 10
 
@@ -68,6 +71,14 @@ class BeamSearch:
     def num_candidates(self) -> int:
         """The top logprobs each expansion asks for."""
         return 2 * self.width
+
+    def step_params(self, temperature: float) -> SamplingParams:
+        """What each live beam's one-token request runs with."""
+        return SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True, logprobs=self.num_candidates)
+
+    def advance_sampled(self, tokens: list[SampledToken]) -> None:
+        """advance() with each live beam's sampled token, whose top logprobs are its candidates."""
+        self.advance([[(t.token_id, t.logprob), *zip(t.top_token_ids, t.top_logprobs)] for t in tokens])
 
     @property
     def done(self) -> bool:

@@ -218,14 +218,12 @@ class LLM:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         searches = [BeamSearch(len(ids), params.beam_width, params.max_tokens, eos, params.length_penalty,
                                params.ignore_eos) for ids in prompt_ids]
-        step = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
-                              logprobs=2 * params.beam_width)
         while running := [(search, ids) for search, ids in zip(searches, prompt_ids) if not search.done]:
             rows = [ids + beam.tokens for search, ids in running for beam in search.live]
+            step = running[0][0].step_params(params.temperature)
             tokens = iter(result.logprobs[0] for result in self.generate(rows, step))
             for search, _ in running:
-                chosen = [next(tokens) for _ in search.live]
-                search.advance([[(t.token_id, t.logprob), *zip(t.top_token_ids, t.top_logprobs)] for t in chosen])
+                search.advance_sampled([next(tokens) for _ in search.live])
         return [BeamSearchOutput([BeamSearchSequence(
             ids + beam.tokens, self._decode(beam.tokens[:-1] if beam.finished else beam.tokens),
             beam.cumulative_logprob, "stop" if beam.finished else "length") for beam in search.best()])
