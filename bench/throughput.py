@@ -6,7 +6,9 @@ times on shared machines drift). The bound (`stack_vs_gemm_bound`, the headline)
 alone (bench/roofline.py's measure) over W's tokens: the prompt tokens in chunks of the token budget with
 the LM head on one row per request, then W's decode steps at the largest batch the engine reached; it is
 timed after each run, and each part's fastest counts. With --rounds N every system runs N times, the rounds
-interleaved, and each system's fastest run counts, as the bound's fastest timing does. Writes
+interleaved, and each system's fastest run counts, as the bound's fastest timing does. The engine's run
+also clocks its own linear layers and attention as they run: where its time went beside the bound, and the
+most of the bound it could reach with attention as fast as it ran (`ceiling_vs_gemm_bound`). Writes
 bench/results/throughput.json.
 
     python bench/throughput.py [--dtype float32|bfloat16|auto] [--kv-cache-dtype auto|bfloat16]
@@ -23,21 +25,55 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import workload_w, write_result  # noqa: E402
 from executor_svc.costs import linear_layers_seconds  # noqa: E402
+from executor_svc.models.llama import Attention  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from pagedserve.config import ModelConfig  # noqa: E402
 
 
+def clock_model_parts(model) -> dict[str, float]:
+    """Wall seconds the model then spends in its parts, summed over their calls: `linear`, what the bound times
+    (every nn.Linear of the decoder layers, and the LM head; a mixture of experts' routed experts are left to the
+    rest), and `attention` (the attention backends' forward: the cache write and the attention itself). The
+    clocks wrap those calls (a microsecond each; the model runs on one thread)."""
+    seconds = {"linear": 0.0, "attention": 0.0}
+
+    def clock(owner, attribute: str, part: str) -> None:
+        inner = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - start
+        setattr(owner, attribute, timed)
+
+    backends = {}
+    for module in model.layers.modules():
+        if isinstance(module, nn.Linear):
+            clock(module, "forward", "linear")
+        elif isinstance(module, Attention):
+            backends[id(module.backend)] = module.backend  # one backend may serve every layer
+    for backend in backends.values():
+        clock(backend, "forward", "attention")
+    clock(model, "compute_logits", "linear")
+    return seconds
+
+
 def run_engine(args, prompts) -> tuple[dict, LLM]:
-    """The engine's run, and the engine (its model times the bound)."""
+    """The engine's run, and the engine (its model times the bound); the run's seconds in the linear layers and
+    in attention (clock_model_parts)."""
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    parts = clock_model_parts(llm.runner.model)
 
     # Sample KV waste (allocated but unused slots) after every step, and the largest batch of running requests.
     used_total = allocated_total = 0
@@ -62,6 +98,8 @@ def run_engine(args, prompts) -> tuple[dict, LLM]:
     assert output_tokens == len(prompts) * args.output_len
     return {
         "seconds": elapsed,
+        "linear_seconds": parts["linear"],
+        "attention_seconds": parts["attention"],
         "output_tokens": output_tokens,
         "output_tok_per_s": output_tokens / elapsed,
         "total_tok_per_s": (output_tokens + sum(map(len, prompts))) / elapsed,
@@ -217,7 +255,15 @@ def main() -> None:
                "rounds": args.rounds, "engine": engine}
     metrics.update({name: fastest(runs[name]) for name in ("stack", "transformers_generate_batch") if runs[name]})
     bound = metrics["gemm_bound"] = gemm_bound(timings, prompts, args, decode_batch)
-    print(f"engine: {engine['output_tok_per_s']:.1f} output tok/s ({engine['seconds']:.1f} s)", flush=True)
+    # Where the engine's run went: its linear layers (against the bound's time for them), attention, and the rest
+    # (norms, activations, the rotary embedding, sampling, scheduling). With attention as fast as it ran, the
+    # engine could reach at most `ceiling_vs_gemm_bound` of the bound.
+    engine["other_seconds"] = engine["seconds"] - engine["linear_seconds"] - engine["attention_seconds"]
+    engine["ceiling_vs_gemm_bound"] = bound["seconds"] / (bound["seconds"] + engine["attention_seconds"])
+    print(f"engine: {engine['output_tok_per_s']:.1f} output tok/s ({engine['seconds']:.1f} s: linear layers "
+          f"{engine['linear_seconds']:.1f}, attention {engine['attention_seconds']:.1f}, the rest "
+          f"{engine['other_seconds']:.1f}; at most {engine['ceiling_vs_gemm_bound']:.3f} of the bound with this "
+          "attention)", flush=True)
     print(f"linear layers alone: {bound['output_tok_per_s']:.1f} output tok/s ({bound['seconds']:.1f} s; timed "
           + ", ".join(f"{p + d:.1f}" for p, d in timings) + " s after each run)", flush=True)
     ratios = {"kv_waste": engine["kv_waste"],
