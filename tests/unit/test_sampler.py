@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from executor_svc.sampler import Sampler, SamplingBatch, filter_logits, mix_seed
+from executor_svc import sampler as sampler_module
+from executor_svc.sampler import CDF_CHUNK, Sampler, SamplingBatch, filter_logits, inverse_cdf, mix_seed
 from pagedserve.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -227,6 +228,20 @@ row_params = st.builds(
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), vocab=st.integers(1, 64), rows=st.lists(row_params, min_size=1, max_size=6))
 def test_filters_property(data: st.DataObject, vocab: int, rows: list[SamplingParams]) -> None:
+    check_filters(data, rows, vocab)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), vocab=st.integers(1, 64), rows=st.lists(row_params, min_size=1, max_size=6))
+def test_filters_property_with_narrow_candidate_tiers(data: st.DataObject, vocab: int,
+                                                      rows: list[SamplingParams]) -> None:
+    # The vocabulary's few most likely tokens first, then a few more, then all, as on a real vocabulary.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler_module, "TOP_P_CANDIDATES", (2, 9))
+        check_filters(data, rows, vocab)
+
+
+def check_filters(data: st.DataObject, rows: list[SamplingParams], vocab: int) -> None:
     # Few distinct values, so ties at every cut come up often.
     value = st.one_of(st.sampled_from([0.0, 1.0, -3.5, 10.0]), st.floats(-30.0, 30.0, width=32))
     logits = torch.tensor([data.draw(st.lists(value, min_size=vocab, max_size=vocab)) for _ in rows])
@@ -235,6 +250,59 @@ def test_filters_property(data: st.DataObject, vocab: int, rows: list[SamplingPa
     out = sample(logits, rows, [position] * len(rows)).token_ids.tolist()
     for i, token in enumerate(out):
         assert token in reference_allowed(logits[i], rows[i])
+
+
+def test_top_p_among_the_likeliest_tokens_keeps_what_sorting_the_whole_vocabulary_keeps(monkeypatch) -> None:
+    # Rows whose cut lies among the first candidates, among the next, and only further down (a flat row); top-k
+    # rows, one with ties to its k-th token beyond the candidates, which must be kept as a whole sort keeps them.
+    vocab = 6000
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(8, vocab, generator=gen) * torch.tensor([[6.0], [2.6], [1.5], [0.2], [6.0], [3.0], [1.0], [0.2]])
+    logits[6, :10] = 5.0
+    logits[6, 10:600] = 4.0  # the 300th token ties with 299 before it and 290 after
+    params = [SamplingParams(top_p=0.95), SamplingParams(top_p=0.9), SamplingParams(top_p=0.9),
+              SamplingParams(top_p=0.5), SamplingParams(top_k=40, top_p=0.8), SamplingParams(top_k=200, top_p=0.99),
+              SamplingParams(top_k=300, top_p=0.9), SamplingParams(temperature=0.5, top_p=0.9)]
+    batch = SamplingBatch.build(params)
+    tiered = torch.isfinite(filter_logits(logits, batch))
+    kept = tiered.sum(dim=-1).tolist()
+    first, second = max(sampler_module.TOP_P_CANDIDATES[0], 301), sampler_module.TOP_P_CANDIDATES[1]
+    assert kept[0] < first < kept[1] < second < kept[2], kept  # every tier is used
+    assert first < kept[6] < 600, kept  # top-p over all 600 of row 6's top-k, ties included
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", ())  # the whole vocabulary sorted, for every row
+    whole = torch.isfinite(filter_logits(logits, batch))
+    assert whole.sum(dim=-1).tolist() == kept
+    # Row 6's cut falls among tied tokens: which of them stay depends on the order the sort leaves them in.
+    assert torch.equal(tiered[[0, 1, 2, 3, 4, 5, 7]], whole[[0, 1, 2, 3, 4, 5, 7]])
+    assert torch.equal(tiered[6, :10], whole[6, :10]) and not tiered[6, 600:].any()
+
+
+def test_inverse_cdf_never_draws_a_token_of_weight_zero() -> None:
+    vocab = 3 * CDF_CHUNK + 5  # a last chunk part padding
+    weights = torch.zeros(6, vocab)
+    weights[0, 0] = 1.0
+    weights[1, vocab - 1] = 1.0  # alone in the padded chunk
+    weights[2, [3, CDF_CHUNK + 7]] = torch.tensor([1e-30, 1.0])
+    weights[3, :] = 1.0
+    weights[4, [CDF_CHUNK - 1, CDF_CHUNK]] = 1.0  # a chunk boundary between the two
+    weights[5, 2 * CDF_CHUNK + 1] = 5e-45  # a subnormal alone
+    for u in (0.0, 0.5, 1.0 - 2.0**-53, 2.0**-60, 0.999999):
+        tokens = inverse_cdf(weights, torch.full((6,), u, dtype=torch.float64))
+        assert (weights.gather(1, tokens.unsqueeze(1)) > 0).all(), (u, tokens)
+    tokens = inverse_cdf(weights[3:4].expand(4, -1), torch.tensor([0.0, 0.25, 0.5, 1.0 - 2.0**-53], dtype=torch.float64))
+    assert tokens.tolist() == [0, vocab // 4, vocab // 2, vocab - 1]
+
+
+def test_inverse_cdf_keeps_a_small_weight_its_share_after_a_large_one() -> None:
+    # Token 5000 weighs 1e-6 of a row whose first token holds the rest: a single float32 cumulative sum would
+    # round its step away at the scale of the first token; the chunked sums keep it.
+    weights = torch.zeros(1, 8000)
+    weights[0, 0] = 1.0
+    weights[0, 5000] = 1e-6
+    share = 1e-6 / (1.0 + 1e-6)
+    hit = inverse_cdf(weights, torch.tensor([1.0 - share / 2], dtype=torch.float64))
+    miss = inverse_cdf(weights, torch.tensor([1.0 - 2 * share], dtype=torch.float64))
+    assert hit.tolist() == [5000] and miss.tolist() == [0]
 
 
 # --------------------------------------------------------------------------- distribution
