@@ -1,7 +1,7 @@
 """The batched sampler's cost in a decode step: its time over B rows of a model's own next-token distributions
 (the logits at B positions of this repository's README, so that top-p's nucleus is as wide as a real model's),
 setting by setting, beside the way it sampled until stop 49 (the whole vocabulary sorted for top-p, and one
-exponential draw per token: the race vLLM's GPU sampler runs) and beside the model's linear layers over B rows (a
+exponential draw per token: the race vLLM's GPU sampler runs; the penalties over every row's whole vocabulary) and beside the model's linear layers over B rows (a
 decode step's bound). Writes bench/results/sampler.json: `<setting>_vs_reference` is the sampler's time ÷ the
 reference's, `<setting>_share_of_decode` its time ÷ (its time + the linear layers').
 
@@ -23,7 +23,7 @@ from bench.common import write_result  # noqa: E402
 from executor_svc.costs import linear_layers_seconds  # noqa: E402
 from executor_svc.model_loader import resolve_model_dir  # noqa: E402
 from executor_svc.model_runner import ModelRunner  # noqa: E402
-from executor_svc.sampler import SamplingBatch, _top_k_threshold, filter_logits  # noqa: E402
+from executor_svc.sampler import SamplingBatch, TokenCounts, _top_k_threshold, filter_logits  # noqa: E402
 from pagedserve.config import CacheConfig, ModelConfig  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -34,12 +34,31 @@ SETTINGS = {
     "top_k_top_p": SamplingParams(temperature=0.7, top_k=50, top_p=0.95),
     "min_p": SamplingParams(temperature=0.7, min_p=0.05),
     "seeded_top_p": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+    "repetition_penalty": SamplingParams(temperature=0.0, repetition_penalty=1.1),
+    "all_penalties": SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3,
+                                    presence_penalty=0.3),
 }
+# Each row's history, for the penalties: prompt and output tokens drawn at random from the vocabulary.
+HISTORY_PROMPT, HISTORY_OUTPUT = 512, 64
+
+
+def reference_penalties(logits: torch.Tensor, batch: SamplingBatch, output_counts: torch.Tensor,
+                        in_prompt: torch.Tensor) -> torch.Tensor:
+    """The penalties as the sort-and-race sampler applied them: over every row's whole vocabulary."""
+    logits = logits.clone()
+    sub, counts, in_output = logits[batch.penalty_rows], output_counts.float(), output_counts > 0
+    rep = batch.repetition_penalty
+    sub = torch.where(in_output | in_prompt, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= batch.frequency_penalty * counts + batch.presence_penalty * in_output
+    logits[batch.penalty_rows] = sub
+    return logits
 
 
 def reference_sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The sort-and-race sampler: tempered logits, top-k and top-p on the whole vocabulary sorted, min-p, then
     argmax(p / q) for q ~ Exp(1) drawn for every token (a generator of its own for each seeded row)."""
+    if batch.all_greedy:
+        return logits.argmax(dim=-1)
     logits = logits / batch.temperature.unsqueeze(1)
     if batch.any_top_p:
         values, ids = logits.sort(dim=-1, descending=True)
@@ -95,11 +114,20 @@ def main() -> None:
     decode_s = linear_layers_seconds(runner.model, args.rows, args.rows, repeats=5)
     sampler = runner.sampler  # the executor's own (with the CPU kernels' argmax)
     positions = list(range(args.rows))
+    counts, gen = TokenCounts(logits.shape[1], "cpu"), torch.Generator().manual_seed(0)
+    request_ids = [str(row) for row in range(args.rows)]
+    for request_id in request_ids:
+        counts.add(request_id)
+        history = torch.randint(logits.shape[1], (HISTORY_PROMPT + HISTORY_OUTPUT,), generator=gen).tolist()
+        counts.record([request_id] * len(history), history, [i >= HISTORY_PROMPT for i in range(len(history))])
+    history = counts.gather(request_ids)
     ratios, cases = {}, {}
     for name, params in SETTINGS.items():
         batch = SamplingBatch.build([params] * args.rows)
-        sampler_s = median_seconds(lambda: sampler(logits, batch, positions), args.repeats)
-        reference_s = median_seconds(lambda: reference_sample(logits, batch), args.repeats)
+        penalties = history if params.has_penalties else None
+        sampler_s = median_seconds(lambda: sampler(logits, batch, positions, penalties), args.repeats)
+        reference_s = median_seconds(lambda: reference_sample(
+            reference_penalties(logits, batch, *penalties) if penalties else logits, batch), args.repeats)
         kept = torch.isfinite(filter_logits(logits, batch)).sum(dim=-1).float()
         cases[name] = {"sampler_s": sampler_s, "reference_s": reference_s,
                        "tokens_kept_median": kept.median().item(), "tokens_kept_max": kept.max().item()}
