@@ -43,12 +43,13 @@ HISTORY_PROMPT, HISTORY_OUTPUT = 512, 64
 
 
 def reference_penalties(logits: torch.Tensor, batch: SamplingBatch, output_counts: torch.Tensor,
-                        in_prompt: torch.Tensor) -> torch.Tensor:
-    """The penalties as the sort-and-race sampler applied them: over every row's whole vocabulary."""
+                        seen: torch.Tensor) -> torch.Tensor:
+    """The penalties as the sort-and-race sampler applied them: over every row's whole vocabulary, from dense
+    [P, V] output counts and seen flags."""
     logits = logits.clone()
     sub, counts, in_output = logits[batch.penalty_rows], output_counts.float(), output_counts > 0
     rep = batch.repetition_penalty
-    sub = torch.where(in_output | in_prompt, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub -= batch.frequency_penalty * counts + batch.presence_penalty * in_output
     logits[batch.penalty_rows] = sub
     return logits
@@ -120,14 +121,16 @@ def main() -> None:
         counts.add(request_id)
         history = torch.randint(logits.shape[1], (HISTORY_PROMPT + HISTORY_OUTPUT,), generator=gen).tolist()
         counts.record([request_id] * len(history), history, [i >= HISTORY_PROMPT for i in range(len(history))])
-    history = counts.gather(request_ids)
+    rows = counts.output_counts.new_tensor([counts.rows[r] for r in request_ids])
     ratios, cases = {}, {}
     for name, params in SETTINGS.items():
         batch = SamplingBatch.build([params] * args.rows)
-        penalties = history if params.has_penalties else None
-        sampler_s = median_seconds(lambda: sampler(logits, batch, positions, penalties), args.repeats)
+        penalized = params.has_penalties
+        # Both times include what the step gathers for the penalties: the rows' seen tokens, or their dense rows.
+        sampler_s = median_seconds(lambda: sampler(
+            logits, batch, positions, counts.gather(request_ids) if penalized else None), args.repeats)
         reference_s = median_seconds(lambda: reference_sample(
-            reference_penalties(logits, batch, *penalties) if penalties else logits, batch), args.repeats)
+            reference_penalties(logits, batch, counts.output_counts[rows], counts.seen[rows]) if penalized else logits, batch), args.repeats)
         kept = torch.isfinite(filter_logits(logits, batch)).sum(dim=-1).float()
         cases[name] = {"sampler_s": sampler_s, "reference_s": reference_s,
                        "tokens_kept_median": kept.median().item(), "tokens_kept_max": kept.max().item()}

@@ -151,15 +151,15 @@ class SamplerOutput:
 
 
 class TokenCounts:
-    """Per-request token counts on the device, for penalties: how often each token appears in the output,
-    and whether it appears in the prompt. One row per request that has penalties, kept between steps and
+    """Per-request token counts on the device, for penalties: how often each token appears in the output, and
+    whether it appears at all (prompt or output). One row per request that has penalties, kept between steps and
     updated with one scatter per step for the whole batch.
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
         self.vocab_size, self.device = vocab_size, device
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
-        self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.rows: dict[str, int] = {}
         self.free_rows: list[int] = []
 
@@ -169,11 +169,11 @@ class TokenCounts:
             old = self.output_counts.shape[0]
             new = max(2 * old, 8)
             self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(new - old, self.vocab_size)])
-            self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(new - old, self.vocab_size)])
+            self.seen = torch.cat([self.seen, self.seen.new_zeros(new - old, self.vocab_size)])
             self.free_rows.extend(range(new - 1, old - 1, -1))
         row = self.free_rows.pop()
         self.output_counts[row] = 0
-        self.in_prompt[row] = False
+        self.seen[row] = False
         self.rows[request_id] = row
 
     def remove(self, request_id: str) -> None:
@@ -195,26 +195,28 @@ class TokenCounts:
         output = torch.tensor(is_output, device=self.device)
         self.output_counts.index_put_((rows[output], tokens[output]),
                                       torch.ones((), dtype=torch.int32, device=self.device), accumulate=True)
-        self.in_prompt.index_put_((rows[~output], tokens[~output]), torch.ones((), dtype=torch.bool, device=self.device))
+        self.seen.index_put_((rows, tokens), torch.ones((), dtype=torch.bool, device=self.device))
 
-    def gather(self, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[P, V] output counts and [P, V] in-prompt flags of these requests."""
+    def gather(self, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every token these requests have seen, flattened: (the request's index in request_ids, the token id,
+        its count in the request's output). A few hundred a request, where the dense rows are the vocabulary."""
         rows = torch.tensor([self.rows[r] for r in request_ids], device=self.device)
-        return self.output_counts[rows], self.in_prompt[rows]
+        index, token_ids = self.seen[rows].nonzero(as_tuple=True)
+        return index, token_ids, self.output_counts[rows[index], token_ids]
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, output_counts: torch.Tensor,
-                    in_prompt: torch.Tensor) -> None:
-    """vLLM's penalties, in place on the batch's penalty rows: repetition over every token seen (divide a
-    positive logit, multiply a negative one), then frequency (per occurrence) and presence (once) over the
-    output tokens. Only the tokens a row has seen change, so only they are computed: a few hundred of a row's
-    vocabulary, where the whole rows' arithmetic took 43 ms a step at 64 rows of 49152 on the CPU."""
-    index, token_ids = ((output_counts > 0) | in_prompt).nonzero(as_tuple=True)
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, index: torch.Tensor, token_ids: torch.Tensor,
+                    output_counts: torch.Tensor) -> None:
+    """vLLM's penalties, in place on the batch's penalty rows, over the tokens each has seen (TokenCounts.gather:
+    penalty row index[i] saw token_ids[i], output_counts[i] times in its output): repetition over every token seen
+    (divide a positive logit, multiply a negative one), then frequency (per occurrence) and presence (once) over
+    the output tokens. Only the seen tokens change, so only they are computed: arithmetic over the whole rows took
+    43 ms a step at 64 rows of 49152 on the CPU."""
     rows = batch.penalty_rows[index]
     seen = logits[rows, token_ids]
     rep = batch.repetition_penalty[index, 0]
     seen = torch.where(seen > 0, seen / rep, seen * rep)
-    counts = output_counts[index, token_ids].to(seen.dtype)
+    counts = output_counts.to(seen.dtype)
     seen -= batch.frequency_penalty[index, 0] * counts + batch.presence_penalty[index, 0] * (counts > 0)
     logits[rows, token_ids] = seen
 
@@ -348,13 +350,13 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor | Sequence[int],
-        penalty_counts: tuple[torch.Tensor, torch.Tensor] | None = None,
+        penalty_counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         grammar_mask: tuple[torch.Tensor, list[int]] | None = None,
         banned: tuple[list[int], list[int]] | None = None,
     ) -> SamplerOutput:
         """logits [B, V] (any float dtype; compute in float32). positions[i] = the sequence position of
-        the token row i is sampling (used with the seed). penalty_counts: output counts and in-prompt flags
-        of the batch's penalty rows (TokenCounts.gather). grammar_mask: a [B, ceil(V / 32)] int32 token
+        the token row i is sampling (used with the seed). penalty_counts: the tokens the batch's penalty rows
+        have seen, with their output counts (TokenCounts.gather). grammar_mask: a [B, ceil(V / 32)] int32 token
         bitmask and the rows it applies to (a grammar's allowed tokens). banned: (rows, token ids) that may not be
         sampled (stop tokens before min_tokens, bad words)."""
         raw = logits.float()

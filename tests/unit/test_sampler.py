@@ -521,7 +521,10 @@ def test_bias_and_penalties_match_a_per_row_reference_and_leave_other_rows_alone
     # A freed row is handed out again zeroed.
     counts.remove("a")
     counts.add("d")
-    assert counts.gather(["d"])[0].sum() == 0 and not counts.gather(["d"])[1].any()
+    index, token_ids, output_counts = counts.gather(["d"])
+    assert len(index) == len(token_ids) == len(output_counts) == 0
+    index, token_ids, output_counts = counts.gather(["c"])  # seen: its prompt and its output, counted there
+    assert index.tolist() == [0] * 3 and token_ids.tolist() == [2, 5, 6] and output_counts.tolist() == [1, 0, 3]
 
 
 def test_sampler_picks_under_the_adjusted_logits_and_reports_the_raw_logprobs():
