@@ -333,7 +333,8 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(CDF_CHUNK, device=probs.device)
     last_positive = torch.where(weights > 0, positions, -1).amax(dim=-1, keepdim=True)
     within = torch.where(within < CDF_CHUNK, within, last_positive)
-    return (chunk * CDF_CHUNK + within).squeeze(1)
+    # (A row with no positive weight, all NaN, has no answer; it still gets a token id.)
+    return (chunk * CDF_CHUNK + within).squeeze(1).clamp_(0, vocab - 1)
 
 
 class Sampler:
