@@ -13,6 +13,7 @@ bench/results/throughput.json.
 
     python bench/throughput.py [--dtype float32|bfloat16|auto] [--kv-cache-dtype auto|bfloat16]
                                [--num-requests 64] [--rounds 1] [--skip-hf] [--skip-stack]
+                               [--temperature 0.7 --top-p 0.9]  (W sampled rather than greedy)
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def run_engine(args, prompts) -> tuple[dict, LLM]:
     in attention (clock_model_parts)."""
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
               kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.output_len,
+                            ignore_eos=True)
     llm.generate([p[:8] for p in prompts[:4]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     parts = clock_model_parts(llm.runner.model)
 
@@ -150,7 +152,8 @@ def run_stack(args, prompts) -> dict:
                                           max_num_batched_tokens=args.max_num_batched_tokens)
 
     async def generate(stub, prompt: list[int], max_tokens: int) -> int:
-        request = build_request(prompt_token_ids=prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        request = build_request(prompt_token_ids=prompt, temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=max_tokens, ignore_eos=True)
         return sum([len(response.token_ids) async for response in stub.Generate(request)])
 
     async def load(address: str) -> tuple[list[int], float]:
@@ -173,8 +176,10 @@ def run_hf(args, prompts, model_dir) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     config = GenerationConfig(
-        max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
-        eos_token_id=model.config.eos_token_id, pad_token_id=model.config.eos_token_id,
+        max_new_tokens=args.output_len, min_new_tokens=args.output_len, eos_token_id=model.config.eos_token_id,
+        pad_token_id=model.config.eos_token_id,
+        **({"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0
+           else {"do_sample": False}),
     )
     model.generate_batch([p[:8] for p in prompts[:4]], generation_config=GenerationConfig(
         max_new_tokens=2, do_sample=False, eos_token_id=model.config.eos_token_id,
@@ -208,6 +213,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="the K/V's dtype in the engine and the stack (transformers keeps the model's)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as W is; above, sampled")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs of every system, interleaved; each system's fastest counts")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers baseline (no *_vs_hf ratio)")
@@ -249,7 +256,8 @@ def main() -> None:
             timings.append(time_gemm_bound(model, args, prompts, decode_batch))
     engine = fastest(runs["engine"])
     metrics = {"workload": {"num_requests": args.num_requests, "prompt_len": [64, 512],
-                            "output_len": args.output_len, "dtype": args.dtype, "dtype_requested": requested_dtype,
+                            "output_len": args.output_len, "temperature": args.temperature, "top_p": args.top_p,
+                            "dtype": args.dtype, "dtype_requested": requested_dtype,
                             "kv_cache_dtype": args.kv_cache_dtype,
                             "device": args.device, "max_num_batched_tokens": args.max_num_batched_tokens},
                "rounds": args.rounds, "engine": engine}
