@@ -8,6 +8,7 @@
 #   kernels-check   nvcc or, without it, NVRTC: registers, spills, stack frames                kernels_check.json
 #   tests-kernels   pytest tests/gpu/test_kernels.py                                           tests_kernels.xml
 #   tests-model     pytest tests/gpu/test_model_gpu.py tests/gpu/test_cuda_graphs_gpu.py       tests_model.xml
+#                   tests/gpu/test_sampler_gpu.py
 #   kernel-bench    bench/kernel.py (rewrites kernel.json after every point)                   kernel.json
 # plus gpu_check.log (everything printed) and gpu_check.json (each step's exit status, seconds and cap).
 # The caps add up to under 8 minutes, kill grace included. Exit status 1 if any step fails.
@@ -91,7 +92,8 @@ pytest_step() {  # pytest_step NAME CAP XML FILES...: the session stops starting
     -p no:cacheprovider -rfE --durations=15 -o faulthandler_timeout=60 --junitxml="$RESULTS_DIR/$xml"
 }
 pytest_step tests-kernels "$CAP_TESTS_KERNELS" tests_kernels.xml tests/gpu/test_kernels.py
-pytest_step tests-model "$CAP_TESTS_MODEL" tests_model.xml tests/gpu/test_model_gpu.py tests/gpu/test_cuda_graphs_gpu.py
+pytest_step tests-model "$CAP_TESTS_MODEL" tests_model.xml tests/gpu/test_model_gpu.py tests/gpu/test_cuda_graphs_gpu.py \
+    tests/gpu/test_sampler_gpu.py
 step kernel-bench "$CAP_BENCH" "$PYTHON" bench/kernel.py --budget $((CAP_BENCH - 20)) "${DRY_RUN[@]}"
 
 if [ "$status" -eq 0 ]; then verdict=passed; else verdict=failed; fi
