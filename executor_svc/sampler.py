@@ -294,7 +294,8 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 def filter_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] float32 logits, tempered, then filtered by top-k, top-p and min-p; dropped tokens are -inf (the
-    random rows; greedy rows come out tempered alone)."""
+    random rows; greedy rows come out tempered alone). The kept sets as whole rows: the sampler draws from the same
+    candidates without building them (Sampler._sample); the tests and bench/sampler.py check against these."""
     logits = raw / batch.temperature.unsqueeze(1)  # a fresh tensor, so the filters below work in place
     neg_inf = float("-inf")
     if batch.any_top_p or batch.any_top_k:

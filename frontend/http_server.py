@@ -39,7 +39,7 @@ from frontend.validation import (MODEL_DEFAULTED, GenerateInput, ValidationError
                                  validate_and_tokenize_async)
 from pagedserve.output.detokenizer import token_utf8
 from pagedserve.beam_search import MAX_BEAM_WIDTH, BeamSearch
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import STRUCTURE_FIELDS, SamplingParams
 from pagedserve.step import SampledToken
 
 logger = logging.getLogger(__name__)
@@ -473,7 +473,7 @@ class OpenAIServer:
             param = HTTP_PARAM.get(error.field, error.field)
             if error.field == "json_schema" and body is not None and body.guided_json is not None:
                 param = "guided_json"
-            if (error.field in ("json_schema", "regex", "choice", "grammar") and body is not None
+            if (error.field in STRUCTURE_FIELDS and body is not None
                     and body.structured_outputs is not None):
                 param = "structured_outputs"
             message = str(error)  # named by the API's own field where the back end's differs

@@ -15,7 +15,7 @@ from typing import Any
 
 from frontend.tools import ToolError, function_schemas
 from pagedserve.chat import ChatOptionError, ChatTemplateRejected, render_chat
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import STRUCTURE_FIELDS, SamplingParams
 
 MAX_REQUEST_ID_LEN = 256
 CHAT_ROLES = frozenset({"developer", "system", "user", "assistant", "tool"})  # OpenAI's roles
@@ -79,8 +79,7 @@ class GenerateInput:
     @property
     def structured(self) -> bool:
         """Whether some structured output is asked (SamplingParams.structured, before the checks)."""
-        return self.json_object or any(getattr(self, name) is not None
-                                       for name in ("json_schema", "regex", "choice", "grammar"))
+        return self.json_object or any(getattr(self, name) is not None for name in STRUCTURE_FIELDS)
 
 
 # The sampling fields a model's generation config may give defaults for (generation_config_defaults): left

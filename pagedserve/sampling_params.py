@@ -21,6 +21,8 @@ MAX_PENALTY = 2.0
 MAX_CHOICES = 256
 # As many token ids as the largest vocabularies hold (Gemma 3's): a request cannot make the sampler build more.
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
+# The fields that ask for a structure given as text or a list (json_object, a flag, is the other kind).
+STRUCTURE_FIELDS = ("json_schema", "regex", "choice", "grammar")
 # Every bad word's token sequences are matched against the output's tail at every step.
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
@@ -167,7 +169,7 @@ class SamplingParams:
             if not 1 <= len(self.choice) <= MAX_CHOICES:
                 raise ValueError(f"choice takes 1 to {MAX_CHOICES} strings, got {len(self.choice)}")
             self.choice = list(self.choice)
-        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in STRUCTURE_FIELDS if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} are exclusive: one structure per request")
@@ -289,8 +291,7 @@ class SamplingParams:
 
     @property
     def structured(self) -> bool:
-        return (self.json_object or self.json_schema is not None or self.regex is not None or self.choice is not None
-                or self.grammar is not None)
+        return self.json_object or any(getattr(self, name) is not None for name in STRUCTURE_FIELDS)
 
     def grammar_source(self) -> tuple[str, str]:
         """A structured request's grammar as (kind, source): ("json_schema", schema text), ("json_object", ""),
